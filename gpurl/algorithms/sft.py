@@ -1,0 +1,47 @@
+"""Supervised fine-tuning: next-token cross-entropy on completion tokens only.
+
+The loss is a token mean over the whole global batch (normalizer: completion tokens in
+the batch), so gradient accumulation over micro-batches gives the same update as one
+large batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gpurl.algorithms.common import Objective, shifted_targets
+from gpurl.config import AlgoConfig
+
+Batch = dict[str, jax.Array]
+
+
+def token_nll(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
+              label_smoothing: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """Per-token negative log-likelihood (fp32) and whether the argmax is the target."""
+    logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+    nll_BxT = -jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+    if label_smoothing:
+        # Szegedy et al. 2016, sec. 7: mix the one-hot target with the uniform distribution.
+        nll_BxT = (1 - label_smoothing) * nll_BxT - label_smoothing * logp_BxTxV.mean(-1)
+    correct_BxT = jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
+    return nll_BxT, correct_BxT
+
+
+def sft_objective(cfg: AlgoConfig) -> Objective:
+    def normalizer(batch: Batch) -> jax.Array:
+        return jnp.maximum(shifted_targets(batch)[1].sum(), 1.0)
+
+    def loss(apply, params: Any, batch: Batch, norm: jax.Array):
+        logits_BxTxV = apply(params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        targets_BxT, mask_BxT = shifted_targets(batch)
+        nll_BxT, correct_BxT = token_nll(logits_BxTxV[:, :-1], targets_BxT, cfg.label_smoothing)
+        loss_sum = (nll_BxT * mask_BxT).sum()
+        metrics = {"loss": loss_sum / norm,
+                   "token_accuracy": (correct_BxT * mask_BxT).sum() / norm,
+                   "tokens": mask_BxT.sum()}
+        return loss_sum / norm, metrics
+
+    return Objective(loss=loss, normalizer=normalizer)

@@ -1,0 +1,221 @@
+"""`gpurl` command line: subcommands, Hydra composition of configs/, one conversion to
+frozen dataclasses. Nothing below this module imports omegaconf or hydra.
+
+Composition errors (an unknown key, a value of the wrong type, a missing group option)
+are caught before Hydra runs the job and reported as one sentence with the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import keyword
+import os
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+import gpurl
+from gpurl.config import Config, ConfigError
+
+SUBCOMMANDS = {"train": "train with the composed config (resumes from run.dir)"}
+# Hydra's own flags: they print or configure, so they skip gpurl's pre-validation.
+_HYDRA_INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i",
+                     "--resolve", "--shell-completion", "-sc", "--version")
+
+
+def config_dir() -> Path:
+    """configs/ ships inside the wheel as gpurl/configs; an editable install reads the repo's."""
+    here = Path(gpurl.__file__).resolve().parent
+    for candidate in (here / "configs", here.parent / "configs"):
+        if (candidate / "config.yaml").exists():
+            return candidate
+    raise FileNotFoundError(f"gpurl's configs/ directory was not found next to {here}; reinstall gpurl.")
+
+
+# ---------------------------------------------------------------- schema <-> dataclasses
+
+def _yaml_key(name: str) -> str:
+    """`async_` (a Python keyword with a suffix) is `async` in YAML and on the command line."""
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
+
+
+def _schema(cls: type) -> Any:
+    """Typed OmegaConf node for a dataclass, with keyword-safe field names renamed."""
+    from omegaconf import DictConfig, OmegaConf
+
+    structured = OmegaConf.structured(cls)
+    OmegaConf.set_readonly(structured, False)
+    hints = typing.get_type_hints(cls)
+    content = {}
+    for f in dataclasses.fields(cls):
+        sub = hints[f.name]
+        content[_yaml_key(f.name)] = (_schema(sub) if dataclasses.is_dataclass(sub)
+                                      else structured._get_node(f.name))
+    return DictConfig(content)
+
+
+def _build(cls: type, data: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = _yaml_key(f.name)
+        if key not in data:
+            continue
+        value = data[key]
+        kwargs[f.name] = _build(hints[f.name], value) if dataclasses.is_dataclass(hints[f.name]) else value
+    return cls(**kwargs)
+
+
+def to_config(cfg: Any) -> Config:
+    """The one conversion: composed DictConfig -> frozen, validated `Config`."""
+    from omegaconf import OmegaConf
+
+    return _build(Config, OmegaConf.to_container(cfg, resolve=True))
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="gpurl_schema", node=_schema(Config))
+
+
+# ---------------------------------------------------------------- clear errors
+
+def _known_keys() -> list[str]:
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(_schema(Config))
+    return [f"{group}.{key}" for group, sec in container.items() for key in sec]
+
+
+def _explain(exc: BaseException, overrides: Sequence[str]) -> str:
+    """One sentence for a Hydra/OmegaConf composition error."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    chain = [exc]
+    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    for e in chain:
+        if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and getattr(e, "full_key", None):
+            guess = difflib.get_close_matches(e.full_key, _known_keys(), n=1)
+            hint = f"did you mean '{guess[0]}'? " if guess else ""
+            return (f"unknown config key '{e.full_key}'; {hint}"
+                    f"run `gpurl train --cfg job` to list every key.")
+        if isinstance(e, ValidationError) and getattr(e, "full_key", None):
+            first = str(e).splitlines()[0]
+            return f"bad value for '{e.full_key}': {first}; fix the value on the command line."
+        if isinstance(e, MissingConfigException):
+            options = getattr(e, "options", None) or []
+            missing = getattr(e, "missing_cfg_file", "") or ""
+            group, _, option = missing.rpartition("/")
+            return (f"{group}={option} is not a known option"
+                    + (f"; use one of: {', '.join(sorted(options))}." if options
+                       else f"; `gpurl train --help` lists the config groups."))
+        if isinstance(e, OverrideParseException):
+            return f"could not parse the override: {str(e).splitlines()[0]}; write it as key=value."
+    return f"{str(exc).splitlines()[0]}; check the overrides {list(overrides)}."
+
+
+def _validation_sets(overrides: list[str]) -> list[list[str]]:
+    """For a sweep, one override list per swept value (others at their first value)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    base = [o.input_line if not o.is_sweep_override() else
+            f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" for o in parsed]
+    sets = [base]
+    for i, o in enumerate(parsed):
+        if o.is_sweep_override():
+            for value in list(o.sweep_string_iterator())[1:]:
+                sets.append(base[:i] + [f"{o.get_key_element()}={value}"] + base[i + 1:])
+    return sets
+
+
+def validate(overrides: list[str]) -> Config:
+    """Composes the config as Hydra will and converts it; raises ConfigError with one sentence."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    _register_schema()
+    user = [o for o in overrides if not o.startswith("hydra") and not o.startswith("-")]
+    try:
+        sets = _validation_sets(user)
+    except Exception as e:  # noqa: BLE001 - Hydra's parser raises several types
+        raise ConfigError(_explain(e, user)) from None
+    cfg = None
+    for values in sets:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(str(config_dir()), version_base="1.3", job_name="gpurl"):
+            try:
+                composed = compose("config", overrides=values)
+            except Exception as e:  # noqa: BLE001
+                raise ConfigError(_explain(e, values)) from None
+            converted = to_config(composed)
+            cfg = cfg or converted
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+# ---------------------------------------------------------------- commands
+
+def _train_job(cfg_node: Any) -> Any:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from gpurl.train.loop import train
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN and not any(
+            o.startswith("run.dir=") for o in hydra_cfg.overrides.task):
+        cfg_node.run.dir = hydra_cfg.runtime.output_dir  # one run directory per sweep job
+    try:
+        return train(to_config(cfg_node))
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def _fail(message: str) -> typing.NoReturn:
+    print(f"gpurl: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _run_hydra(subcommand: str, args: list[str], job) -> None:
+    import hydra
+
+    _register_schema()
+    sys.argv = [f"gpurl {subcommand}", *args]
+    hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(job)()
+
+
+def _usage() -> str:
+    lines = [f"usage: gpurl COMMAND [overrides]   (gpurl {gpurl.__version__})", "", "commands:"]
+    lines += [f"  {name:<10} {text}" for name, text in SUBCOMMANDS.items()]
+    lines += ["", "`gpurl train --help` lists the config groups; `--cfg job` prints the config."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return
+    if args[0] == "--version":
+        print(gpurl.__version__)
+        return
+    command, rest = args[0], args[1:]
+    if command not in SUBCOMMANDS:
+        _fail(f"unknown command '{command}'; use one of: {', '.join(SUBCOMMANDS)}.")
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    if not any(a.split("=")[0] in _HYDRA_INFO_FLAGS for a in rest):
+        try:
+            validate([a for a in rest if a not in ("-m", "--multirun")])
+        except ConfigError as e:
+            _fail(str(e))
+    _run_hydra(command, rest, _train_job)
+
+
+if __name__ == "__main__":
+    main()

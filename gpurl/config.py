@@ -1,0 +1,274 @@
+"""Typed schemas of every config group.
+
+Hydra composes YAML files in `configs/` over these schemas (registered in its
+ConfigStore by `gpurl.cli`), so a typo in a key or a value of the wrong type fails at
+composition. `gpurl.cli` converts the composed config once into these frozen
+dataclasses; nothing below the CLI sees omegaconf. Every field carries a comment: it
+is the documentation of the key (`gpurl train --cfg job` prints the values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A config value a user set is invalid; the message names the key and the fix."""
+
+
+class AlgoName(str, enum.Enum):
+    SFT = "sft"
+
+
+class LoggerName(str, enum.Enum):
+    CONSOLE = "console"
+    WANDB = "wandb"
+
+
+class Placement(str, enum.Enum):
+    COLOCATED = "colocated"
+    SPLIT = "split"
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...] | type[enum.Enum]) -> None:
+    names = tuple(c.value for c in choices) if isinstance(choices, type) else choices
+    if value not in names:
+        raise ConfigError(f"{key}={value!r} is not valid; use one of: {', '.join(names)}.")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value} is not valid; set it to a number {bound}.")
+
+
+def _tuplify(obj: Any) -> None:
+    """Frozen dataclasses hold tuples, not the lists omegaconf produces."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, list):
+            object.__setattr__(obj, f.name, tuple(value))
+        elif isinstance(value, dict):
+            object.__setattr__(
+                obj, f.name,
+                {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    name: str = "sft"  # algorithm: sft (RL algorithms arrive with their issues)
+    label_smoothing: float = 0.0  # SFT: cross-entropy label smoothing in [0, 1)
+
+    def __post_init__(self) -> None:
+        _choice("algo.name", self.name, AlgoName)
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(
+                f"algo.label_smoothing={self.label_smoothing} is not valid; use a value in [0, 1).")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "tiny"  # preset name (see configs/model/)
+    checkpoint: Optional[str] = None  # HF safetensors dir or .gguf file; null = random init
+    vocab_size: int = 512  # rows of the embedding (>= the tokenizer's vocabulary)
+    d_model: int = 64  # residual width D
+    num_layers: int = 2  # decoder blocks L
+    num_heads: int = 4  # query heads H
+    num_kv_heads: int = 2  # key/value heads K (H % K == 0; K < H is GQA, K = 1 is MQA)
+    head_dim: int = 16  # width of one head
+    mlp_dim: int = 128  # hidden width of the gated MLP
+    activation: str = "gelu_tanh"  # gate activation: gelu_tanh (GeGLU) or silu (SwiGLU)
+    rope_theta: float = 10000.0  # RoPE base
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    tie_embeddings: bool = True  # output projection shares the embedding matrix
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(D) (Gemma)
+    max_seq_len: int = 2048  # longest sequence the model is used with
+    dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16
+    param_dtype: str = "float32"  # dtype of stored parameters and optimizer moments
+    attention: str = "auto"  # attention implementation: auto or xla (more with the kernels issue)
+    init_std: float = 0.02  # std of the random normal init of projections
+    tokenizer: str = "bytes"  # bytes (built-in byte-level BPE) or a tokenizer.json path
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                    "head_dim", "mlp_dim", "max_seq_len"):
+            _positive(f"model.{key}", getattr(self, key))
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads="
+                f"{self.num_kv_heads}; choose num_kv_heads dividing num_heads.")
+        _choice("model.activation", self.activation, ("gelu_tanh", "silu"))
+        _choice("model.dtype", self.dtype, ("auto",) + DTYPES)
+        _choice("model.param_dtype", self.param_dtype, DTYPES)
+        _choice("model.attention", self.attention, ("auto", "xla"))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = "arithmetic"  # built-in task (arithmetic) or jsonl (+ data.path)
+    path: Optional[str] = None  # jsonl of {"prompt","completion"} or {"messages":[...]} rows
+    eval_path: Optional[str] = None  # held-out jsonl; null = hold out data.num_eval rows of path
+    max_len: int = 64  # tokens per row; longer examples are truncated (counted in the log)
+    packing: bool = False  # pack several examples into one row (attention stays per example)
+    chat_template: bool = False  # render prompt/completion through the tokenizer's chat template
+    num_train: int = 2000  # generated tasks: training examples
+    num_eval: int = 200  # held-out examples (generated tasks and jsonl without eval_path)
+    seed: int = 1234  # seed of the generated task items and of the jsonl hold-out split
+
+    def __post_init__(self) -> None:
+        _choice("data.name", self.name, ("arithmetic", "jsonl"))
+        if self.name == "jsonl" and not self.path:
+            raise ConfigError("data=jsonl needs a file; set data.path=/path/to/train.jsonl.")
+        _positive("data.max_len", self.max_len)
+        _positive("data.num_train", self.num_train)
+        _positive("data.num_eval", self.num_eval, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3  # peak learning rate of AdamW
+    warmup_steps: int = 10  # linear warm-up from 0 to optim.lr
+    decay: str = "cosine"  # after warm-up: cosine (to optim.min_lr_ratio * lr) or constant
+    min_lr_ratio: float = 0.1  # final lr of the cosine decay, as a fraction of optim.lr
+    weight_decay: float = 0.0  # decoupled weight decay (not applied to norms and biases)
+    b1: float = 0.9  # Adam beta1
+    b2: float = 0.999  # Adam beta2
+    eps: float = 1e-8  # Adam epsilon
+    max_grad_norm: float = 1.0  # clip the global gradient norm; 0 = no clipping
+
+    def __post_init__(self) -> None:
+        _positive("optim.lr", self.lr)
+        _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        _choice("optim.decay", self.decay, ("cosine", "constant"))
+        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("optim.max_grad_norm", self.max_grad_norm, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100  # optimizer steps
+    batch_size: int = 16  # global batch: examples (SFT) or prompts (RL) per step
+    micro_batch_size: int = 0  # examples per gradient-accumulation micro-batch; 0 = batch_size
+    seed: int = 0  # seed of the init, the data order and sampling
+    eval_every: int = 50  # evaluate every N steps (and at the end); 0 = only at the end
+    eval_batch_size: int = 64  # rows per eval forward pass
+    checkpoint_every: int = 50  # save a checkpoint every N steps (and at the end); 0 = only at the end
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    log_every: int = 1  # write metrics every N steps
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "eval_batch_size", "keep_checkpoints", "log_every"):
+            _positive(f"train.{key}", getattr(self, key))
+        for key in ("micro_batch_size", "eval_every", "checkpoint_every"):
+            _positive(f"train.{key}", getattr(self, key), allow_zero=True)
+        micro = self.micro_batch_size or self.batch_size
+        if self.batch_size % micro:
+            raise ConfigError(
+                f"train.batch_size={self.batch_size} is not a multiple of "
+                f"train.micro_batch_size={micro}; choose a micro-batch size that divides it.")
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.batch_size // (self.micro_batch_size or self.batch_size)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    max_new_tokens: int = 64  # completion length limit
+    temperature: float = 1.0  # sampling temperature; 0 = greedy
+    top_p: float = 1.0  # nucleus sampling mass
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    # `async` is a Python keyword: the YAML key is `async`, the field `async_`.
+    async_: bool = False  # overlap the next rollout with training (split placement)
+
+    def __post_init__(self) -> None:
+        _positive("rollout.max_new_tokens", self.max_new_tokens)
+        _positive("rollout.temperature", self.temperature, allow_zero=True)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"rollout.top_p={self.top_p} is not valid; use a value in (0, 1].")
+        _positive("rollout.top_k", self.top_k, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # trainer data-parallel axis; -1 = all devices left over
+    fsdp: int = 1  # trainer fully-sharded axis (parameters and optimizer state sharded)
+    tp: int = 1  # trainer tensor-parallel axis
+    placement: str = "colocated"  # colocated (rollout and trainer share devices) or split
+    rollout_devices: int = 0  # split placement: devices given to rollout
+    # logical axis -> mesh axes, for training; an axis missing here is replicated
+    train_rules: dict[str, list[str]] = field(default_factory=lambda: {
+        "batch": ["data", "fsdp"], "embed": ["fsdp"], "vocab": ["tp"], "mlp": ["tp"],
+        "heads": ["tp"], "kv_heads": ["tp"]})
+
+    def __post_init__(self) -> None:
+        _tuplify(self)
+        _choice("mesh.placement", self.placement, Placement)
+        for key in ("data", "fsdp", "tp"):
+            value = getattr(self, key)
+            if value == 0 or value < -1:
+                raise ConfigError(f"mesh.{key}={value} is not valid; use a positive size or -1 to fill.")
+        if [self.data, self.fsdp, self.tp].count(-1) > 1:
+            raise ConfigError("Only one of mesh.data, mesh.fsdp, mesh.tp may be -1; set the others.")
+        bad = {a for axes in self.train_rules.values() for a in axes} - {"data", "fsdp", "tp"}
+        if bad:
+            raise ConfigError(
+                f"mesh.train_rules names unknown mesh axes {sorted(bad)}; use data, fsdp or tp.")
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    name: str = "console"  # console (progress bar + metrics.jsonl) or wandb (adds Weights & Biases)
+    project: str = "gpurl"  # wandb project
+    entity: Optional[str] = None  # wandb entity (team or user); null = your default
+    mode: str = "auto"  # wandb mode: auto (online when WANDB_API_KEY is set, else offline), online, offline
+    progress: bool = True  # show a progress bar on the console
+
+    def __post_init__(self) -> None:
+        _choice("logger.name", self.name, LoggerName)
+        _choice("logger.mode", self.mode, ("auto", "online", "offline"))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/default"  # output directory shared by all processes; holding a checkpoint means resume
+    name: Optional[str] = None  # display name (wandb); null = the last part of run.dir
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    coordinator: Optional[str] = None  # host:port of process 0; null = detect (Slurm) or single process
+    num_processes: Optional[int] = None  # processes in the job; null = detect
+    process_id: Optional[int] = None  # this process's index; null = detect
+
+
+@dataclass(frozen=True)
+class Config:
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain nested dict of a config (for config.yaml, wandb, and resume checks)."""
+    out = dataclasses.asdict(cfg)
+    def fix(d: Any) -> Any:
+        if isinstance(d, dict):
+            return {("async" if k == "async_" else k): fix(v) for k, v in d.items()}
+        if isinstance(d, tuple):
+            return [fix(v) for v in d]
+        return d
+    return fix(out)

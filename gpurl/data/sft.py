@@ -1,0 +1,146 @@
+"""Supervised fine-tuning rows: examples -> fixed-width token arrays with a loss mask.
+
+Each example becomes `[bos] + prompt + completion + [eos]`. Loss falls on the completion
+and the eos only, so the model learns to answer and to stop, not to reproduce prompts.
+With `data.packing`, several examples share a row; `segment_ids` and per-example
+`positions` keep attention and RoPE confined to each example.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from gpurl.config import ConfigError, DataConfig
+
+if TYPE_CHECKING:
+    from gpurl.models.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """N rows of T tokens. Row arrays are (N, T); the glossary letter E counts examples."""
+
+    tokens: np.ndarray  # (N, T) int32, pad_id where empty
+    positions: np.ndarray  # (N, T) int32, position within its own example (0 at each start)
+    segment_ids: np.ndarray  # (N, T) int32, 1.. per example within a row, 0 = padding
+    # (N, T) float32: 1.0 where tokens[n, t] is a completion token (or the final eos)
+    # predicted from position t - 1; i.e. aligned with the targets, not the inputs.
+    loss_mask: np.ndarray
+    num_truncated: int  # examples longer than T that lost their tail
+    pad_id: int = 0  # token id of empty slots (eval batches pad with it)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def encode_sft(examples: list[dict], tokenizer: Tokenizer, cfg: DataConfig) -> TokenRows:
+    """Tokenize `examples` ({"prompt", "completion"[, "messages"]}) into rows of cfg.max_len.
+
+    With `cfg.chat_template`, the prompt is the conversation (`messages`, or the prompt as
+    one user turn) rendered with the generation prompt, and the completion is what the
+    template adds for the assistant reply: its content plus the end-of-turn marker,
+    trailing whitespace dropped. A leading bos_token in the rendered prompt is removed
+    because the bos id is added here. Without it, prompt and completion are used as is.
+    """
+    if not examples:
+        raise ConfigError("There are no examples to encode; give data.path rows or set "
+                          "data.num_train / data.num_eval above 0.")
+    if cfg.chat_template:
+        prompts, completions = zip(*(_chat_texts(ex, tokenizer) for ex in examples))
+    else:
+        prompts = [ex["prompt"] for ex in examples]
+        completions = [ex["completion"] for ex in examples]
+    prompt_ids = tokenizer.encode_batch(list(prompts))
+    completion_ids = tokenizer.encode_batch(list(completions))
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    seqs = [bos + p + c + [tokenizer.eos_id] for p, c in zip(prompt_ids, completion_ids)]
+    prompt_len_E = np.array([len(bos) + len(p) for p in prompt_ids], dtype=np.int64)
+    return _layout(seqs, prompt_len_E, cfg.max_len, cfg.packing, tokenizer.pad_id)
+
+
+def _chat_texts(example: dict, tokenizer: Tokenizer) -> tuple[str, str]:
+    """(prompt, completion) text of one example rendered through the chat template."""
+    if "messages" in example:
+        messages = list(example["messages"])
+    else:
+        messages = [{"role": "user", "content": example["prompt"]}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    reply = [{"role": "assistant", "content": example["completion"]}]
+    full = tokenizer.apply_chat_template(messages + reply)
+    # Templates that rewrite earlier turns once a reply follows (e.g. dropping reasoning)
+    # break the prefix property; fall back to the raw reply rather than guess.
+    completion = full[len(prompt):].rstrip() if full.startswith(prompt) else example["completion"]
+    bos_token = tokenizer.bos_token
+    if tokenizer.bos_id is not None and bos_token and prompt.startswith(bos_token):
+        prompt = prompt[len(bos_token):]
+    return prompt, completion
+
+
+def _layout(seqs: list[list[int]], prompt_len_E: np.ndarray, T: int, packing: bool,
+            pad_id: int) -> TokenRows:
+    """Place each (right-truncated) sequence in its row and build the row arrays at once."""
+    full_len_E = np.array([len(s) for s in seqs], dtype=np.int64)
+    flat_F = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32,
+                         count=int(full_len_E.sum()))
+    pos_F = np.arange(flat_F.size) - np.repeat(np.cumsum(full_len_E) - full_len_E, full_len_E)
+    keep_F = pos_F < T
+    len_E = np.minimum(full_len_E, T)
+    flat_F, pos_F = flat_F[keep_F], pos_F[keep_F]
+
+    num_examples = len(seqs)
+    if packing:
+        row_E, offset_E, seg_E = _first_fit(len_E.tolist(), T)
+    else:
+        row_E = np.arange(num_examples)
+        offset_E, seg_E = np.zeros(num_examples, np.int64), np.ones(num_examples, np.int64)
+    num_rows = int(row_E.max()) + 1
+
+    dest_F = np.repeat(row_E * T + offset_E, len_E) + pos_F
+    # The first token of an example has nothing before it in its segment to predict from.
+    first_loss_E = np.maximum(prompt_len_E, 1)
+    tokens = np.full(num_rows * T, pad_id, np.int32)
+    positions = np.zeros(num_rows * T, np.int32)
+    segment_ids = np.zeros(num_rows * T, np.int32)
+    loss_mask = np.zeros(num_rows * T, np.float32)
+    tokens[dest_F] = flat_F
+    positions[dest_F] = pos_F
+    segment_ids[dest_F] = np.repeat(seg_E, len_E)
+    loss_mask[dest_F] = pos_F >= np.repeat(first_loss_E, len_E)
+    shape = (num_rows, T)
+    return TokenRows(tokens.reshape(shape), positions.reshape(shape), segment_ids.reshape(shape),
+                     loss_mask.reshape(shape), int((full_len_E > T).sum()), pad_id)
+
+
+def _first_fit(len_E: list[int], T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Greedy first-fit bin packing in example order: (row, offset, segment id) per example.
+
+    A max-tree over the free space of every potential row (one per example, all empty at
+    first) finds the lowest row with room in O(log E), so packing a large dataset stays
+    fast; an unopened row is simply the first empty leaf.
+    """
+    size = 1 << max(len(len_E) - 1, 0).bit_length()
+    free = [0] * size + [T] * len(len_E) + [0] * (size - len(len_E))
+    for node in range(size - 1, 0, -1):
+        free[node] = max(free[2 * node], free[2 * node + 1])
+    used = [0] * len(len_E)  # tokens already placed in each row
+    count = [0] * len(len_E)  # examples already placed in each row
+    rows, offsets, segs = [], [], []
+    for length in len_E:
+        node = 1
+        while node < size:
+            node = 2 * node if free[2 * node] >= length else 2 * node + 1
+        row = node - size
+        rows.append(row)
+        offsets.append(used[row])
+        count[row] += 1
+        segs.append(count[row])
+        used[row] += length
+        free[node] -= length
+        while node > 1:
+            node //= 2
+            free[node] = max(free[2 * node], free[2 * node + 1])
+    return np.array(rows), np.array(offsets), np.array(segs)

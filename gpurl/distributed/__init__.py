@@ -1,0 +1,1 @@
+"""Multi-process runtime, meshes, placement and shardings."""

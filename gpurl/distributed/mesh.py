@@ -1,0 +1,75 @@
+"""Trainer mesh and the mapping from logical parameter axes to mesh axes.
+
+Only this package calls `jax.devices()` or builds a `Mesh`. Rules come from
+`mesh.train_rules`: a logical axis maps to one or more mesh axes; a dimension whose size
+does not divide by the mesh axes is replicated instead (tiny models on many devices).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from gpurl.config import ConfigError, MeshConfig
+
+TRAIN_AXES = ("data", "fsdp", "tp")
+Rules = Mapping[str, Sequence[str]]
+
+
+def trainer_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """(data, fsdp, tp) mesh over all devices; one size may be -1 to take what is left."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [cfg.data, cfg.fsdp, cfg.tp]
+    fixed = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % fixed:
+            raise ConfigError(
+                f"mesh sizes data={cfg.data} fsdp={cfg.fsdp} tp={cfg.tp} do not fit "
+                f"{len(devices)} devices; make the fixed sizes divide the device count.")
+        sizes[sizes.index(-1)] = len(devices) // fixed
+    if math.prod(sizes) != len(devices):
+        raise ConfigError(
+            f"mesh.data*mesh.fsdp*mesh.tp = {math.prod(sizes)} but there are {len(devices)} "
+            f"devices; choose sizes whose product is {len(devices)} (or set one to -1).")
+    return Mesh(np.asarray(devices).reshape(sizes), TRAIN_AXES)
+
+
+def logical_spec(axes: Sequence[str | None], shape: Sequence[int], rules: Rules,
+                 mesh: Mesh) -> P:
+    """PartitionSpec for one array; a mesh axis is used at most once per array."""
+    used: set[str] = set()
+    spec: list[Any] = []
+    for name, dim in zip(axes, shape):
+        mesh_axes = [a for a in rules.get(name, ()) if a not in used and mesh.shape[a] > 1]
+        if not mesh_axes or dim % math.prod(mesh.shape[a] for a in mesh_axes):
+            spec.append(None)
+            continue
+        used.update(mesh_axes)
+        spec.append(tuple(mesh_axes) if len(mesh_axes) > 1 else mesh_axes[0])
+    return P(*spec)
+
+
+def tree_shardings(abstract: Any, logical_axes: Any, rules: Rules, mesh: Mesh) -> Any:
+    """NamedShardings for a pytree given a same-structured pytree of logical axes."""
+    return jax.tree.map(
+        lambda x, axes: NamedSharding(mesh, logical_spec(axes, x.shape, rules, mesh)),
+        abstract, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
+    """Rows of a batch are split over the `batch` rule's axes (data and fsdp)."""
+    axes = tuple(a for a in rules.get("batch", ()) if mesh.shape[a] > 1)
+    return NamedSharding(mesh, P(axes if axes else None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_divisor(mesh: Mesh, rules: Rules) -> int:
+    """Number of shards a batch is split into: batch sizes must be multiples of it."""
+    return math.prod(mesh.shape[a] for a in rules.get("batch", ()))

@@ -1,0 +1,120 @@
+"""Train state and the jitted step: `(state, batch) -> (state, metrics)`.
+
+Micro-batch gradient accumulation runs as a `lax.scan` inside the one jitted call; each
+micro-batch takes rows strided across the batch so that every device works on every
+micro-batch. Shardings are explicit on both sides and the old state is donated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from gpurl.algorithms.common import Batch, Objective
+from gpurl.distributed.mesh import Rules, batch_sharding, replicated, tree_shardings
+from gpurl.models import ModelSpec, Params
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Params
+    opt_state: optax.OptState
+    rng: jax.Array  # uint32[2] key data: advanced every step, saved in checkpoints
+
+
+def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+    params = spec.init(seed)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params),
+                      rng=jax.random.key_data(jax.random.key(seed + 1)))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the state and batches live on the trainer mesh."""
+
+    mesh: Mesh
+    state: Any  # TrainState of NamedShardings
+    batch: NamedSharding
+    abstract_state: Any  # TrainState of ShapeDtypeStructs
+
+
+def placement(spec: ModelSpec, optimizer: optax.GradientTransformation, mesh: Mesh,
+              rules: Rules) -> Placement:
+    """State shardings from `jax.eval_shape(init)`: optimizer moments follow their params."""
+    abstract = jax.eval_shape(lambda: init_state(spec, optimizer, 0))
+    param_sh = tree_shardings(abstract.params, spec.logical_axes, rules, mesh)
+    param_def = jax.tree.structure(abstract.params)
+
+    def is_param_tree(node: Any) -> bool:
+        return jax.tree.structure(node) == param_def
+
+    def follow(node: Any) -> Any:
+        # Adam's mu/nu mirror the params and take their shardings; counters are replicated.
+        return param_sh if is_param_tree(node) else replicated(mesh)
+
+    state_sh = TrainState(step=replicated(mesh), params=param_sh,
+                          opt_state=jax.tree.map(follow, abstract.opt_state, is_leaf=is_param_tree),
+                          rng=replicated(mesh))
+    return Placement(mesh, state_sh, batch_sharding(mesh, rules), abstract)
+
+
+def _split_micro(batch: Batch, num_micro: int, rows: NamedSharding) -> Batch:
+    """B x ... -> M x B/M x ...; micro-batch m takes rows m, m+M, m+2M, ... so that
+    every device holds B/M/devices rows of every micro-batch."""
+    micro_rows = NamedSharding(rows.mesh, P(None, *rows.spec))
+
+    def split(x):
+        x = x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, micro_rows)
+    return jax.tree.map(split, batch)
+
+
+def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.GradientTransformation,
+                    place: Placement, num_micro: int) -> Callable[[TrainState, Batch], tuple]:
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        norm = objective.normalizer(batch)
+        grad_fn = jax.value_and_grad(objective.loss, argnums=1, has_aux=True)
+
+        def accumulate(grads_acc, micro: Batch):
+            (_, metrics), grads = grad_fn(spec.apply, state.params, micro, norm)
+            grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+            return jax.lax.with_sharding_constraint(grads_acc, place.state.params), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        micro = _split_micro(batch, num_micro, place.batch)
+        grads, metrics_M = jax.lax.scan(accumulate, zeros, micro)
+        metrics = jax.tree.map(lambda m: m.sum(0), metrics_M)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["update_norm"] = optax.global_norm(updates)
+        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
+        new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                               opt_state=opt_state, rng=rng)
+        return new_state, metrics
+
+    return jax.jit(step, in_shardings=(place.state, place.batch),
+                   out_shardings=(place.state, replicated(place.mesh)), donate_argnums=0)
+
+
+def make_eval_step(spec: ModelSpec, objective: Objective, place: Placement) -> Callable:
+    """Additive eval metrics of one batch (normalizer 1: the caller divides by the total)."""
+    def step(params: Params, batch: Batch) -> dict:
+        _, metrics = objective.loss(spec.apply, params, batch, jnp.float32(1.0))
+        return metrics
+
+    return jax.jit(step, in_shardings=(place.state.params, place.batch),
+                   out_shardings=replicated(place.mesh))
+
+
+def make_init(spec: ModelSpec, optimizer: optax.GradientTransformation, place: Placement,
+              seed: int) -> Callable[[], TrainState]:
+    """Creates the state directly in its shards (never whole on one device)."""
+    return jax.jit(lambda: init_state(spec, optimizer, seed), out_shardings=place.state)
