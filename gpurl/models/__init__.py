@@ -51,7 +51,7 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
     """Shapes and logical axes of a model without allocating its parameters."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))),
                                 nnx.Param)
-    flat = list(state.flat_state())
+    flat = list(nnx.to_flat_state(state))
     abstract = _nest([(path, var.get_value()) for path, var in flat])
     axes = _nest([(path, var.get_metadata()["logical_axes"]) for path, var in flat])
     return ModelSpec(cfg, graphdef, abstract, axes)

@@ -13,7 +13,8 @@ import json
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -39,10 +40,13 @@ class _Stop:
 
     def __init__(self) -> None:
         self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, *_: Any) -> None:
         self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
 
 
 def _check_batch(cfg: Config, divisor: int) -> None:
@@ -99,99 +103,142 @@ def _trim_metrics(run_dir: Path, step: int) -> None:
         path.write_text("".join(r + "\n" for r in rows))
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """Runs (or resumes) training; returns the final eval figures (also in summary.json)."""
-    runtime.initialize(cfg.distributed)
-    main = runtime.is_main_process()
+@dataclass
+class _Session:
+    """Everything one run uses, built once from the config."""
+
+    cfg: Config
+    run_dir: Path
+    place: Placement
+    train_rows: TokenRows
+    eval_rows: TokenRows | None
+    step_fn: Callable
+    eval_fn: Callable
+    schedule: Callable[[int], Any]
+    ckpt: Checkpointer
+
+
+class _PendingMetrics:
+    """Holds step N's device metrics until step N+1 is dispatched, then logs them."""
+
+    def __init__(self, session: _Session, sink: MetricsSink):
+        self.session, self.sink, self.pending = session, sink, None
+        self.t_last = time.perf_counter()
+
+    def push(self, step: int, metrics_dev: dict) -> None:
+        self.flush()
+        now = time.perf_counter()
+        self.pending, self.t_last = (step, metrics_dev, now - self.t_last), now
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        (step, metrics_dev, seconds), self.pending = self.pending, None
+        metrics = {k: float(v) for k, v in jax.device_get(metrics_dev).items()}
+        tokens = metrics.pop("tokens", 0.0)
+        metrics.update({"lr": float(self.session.schedule(step - 1)), "time/step_s": seconds,
+                        "tokens_per_s": tokens / max(seconds, 1e-9)})
+        cfg = self.session.cfg.train
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            self.sink.log(step, metrics)
+
+    def reset_clock(self) -> None:
+        """Eval and checkpoint time is not step time."""
+        self.t_last = time.perf_counter()
+
+
+def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = trainer_mesh(cfg.mesh)
     _check_batch(cfg, batch_divisor(mesh, cfg.mesh.train_rules))
-
     tokenizer = load_tokenizer(cfg.model)
     train_examples, eval_examples = load_examples(cfg.data)
-    train_rows = encode_sft(train_examples, tokenizer, cfg.data)
-    eval_rows = encode_sft(eval_examples, tokenizer, cfg.data) if eval_examples else None
-
     spec = model_spec(cfg.model)
     objective = algorithms.objective(cfg.algo)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
-    schedule = lr_schedule(cfg.optim, cfg.train.steps)
     place = placement(spec, optimizer, mesh, cfg.mesh.train_rules)
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+    return _Session(
+        cfg=cfg, run_dir=run_dir, place=place,
+        train_rows=encode_sft(train_examples, tokenizer, cfg.data),
+        eval_rows=encode_sft(eval_examples, tokenizer, cfg.data) if eval_examples else None,
+        step_fn=make_train_step(spec, objective, optimizer, place, cfg.train.num_micro_batches),
+        eval_fn=make_eval_step(spec, objective, place),
+        schedule=lr_schedule(cfg.optim, cfg.train.steps),
+        ckpt=Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints),
+    ), make_init(spec, optimizer, place, cfg.train.seed)
 
-    latest = ckpt.latest_step()
-    if latest is not None:
-        state, meta = ckpt.restore(latest, place.abstract_state, place.state)
-        start = int(meta["step"])
-        if main:
-            _trim_metrics(run_dir, start)
-    else:
-        state, start = make_init(spec, optimizer, place, cfg.train.seed)(), 0
 
-    sink = MetricsSink(cfg.logger, run_dir, to_dict(cfg), cfg.train.steps, start, enabled=main)
+def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, int, bool]:
+    latest = s.ckpt.latest_step()
+    if latest is None:
+        return init(), 0, False
+    state, meta = s.ckpt.restore(latest, s.place.abstract_state, s.place.state)
+    if runtime.is_main_process():
+        _trim_metrics(s.run_dir, int(meta["step"]))
+    return state, int(meta["step"]), True
+
+
+def _run_steps(s: _Session, state: Any, start: int, sink: MetricsSink) -> tuple[int, dict]:
+    cfg = s.cfg.train
+    stop, queue = _Stop(), _PendingMetrics(s, sink)
+    last_eval: dict[str, float] = {}
+    step = start
+    try:
+        while step < cfg.steps and not stop.requested:
+            state, metrics_dev = s.step_fn(state, _to_global(s.place, _train_batch(s.cfg, s.train_rows, step)))
+            step += 1
+            queue.push(step, metrics_dev)
+            sink.advance()
+            final = step == cfg.steps
+            if s.eval_rows is not None and (final or (cfg.eval_every and step % cfg.eval_every == 0)):
+                queue.flush()
+                last_eval = _evaluate(s.eval_fn, state.params, s.eval_rows, s.cfg, s.place)
+                sink.log(step, last_eval)
+                sink.message(f"[gpurl] step {step}: " + ", ".join(
+                    f"{k}={v:.4g}" for k, v in last_eval.items()))
+                queue.reset_clock()
+            if final or stop.requested or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                queue.flush()  # rows up to a checkpoint are on disk before it exists
+                s.ckpt.save(step, state, {"step": step, "examples_seen": step * cfg.batch_size,
+                                          "epoch": step * cfg.batch_size // len(s.train_rows)})
+                queue.reset_clock()
+        queue.flush()
+    finally:
+        stop.restore()
+    if stop.requested and step < cfg.steps:
+        sink.message(f"[gpurl] SIGTERM: saved a checkpoint at step {step}; rerun to resume.")
+    return step, last_eval
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Runs (or resumes) training; returns the final eval figures (also in summary.json)."""
+    runtime.initialize(cfg.distributed)
+    s, init = _build(cfg)
+    state, start, resumed = _restore_or_init(s, init)
+    if start >= cfg.train.steps:
+        done = s.run_dir / "summary.json"
+        print(f"[gpurl] {s.run_dir} already finished at step {start} (train.steps="
+              f"{cfg.train.steps}); raise train.steps to continue or use a new run.dir.", flush=True)
+        return json.loads(done.read_text()) if done.exists() else {"step": start, "finished": True}
+    main = runtime.is_main_process()
+    sink = MetricsSink(cfg.logger, s.run_dir, to_dict(cfg), cfg.train.steps, start, enabled=main)
     if main:
-        _prepare_run_dir(run_dir, cfg, latest is not None, sink.message)
+        _prepare_run_dir(s.run_dir, cfg, resumed, sink.message)
     sink.message(
         f"[gpurl] {cfg.algo.name} on {cfg.model.name} ({count_params(state.params):,} params), "
-        f"mesh {dict(mesh.shape)}, {len(train_rows)} train rows "
-        f"({train_rows.num_truncated} truncated), "
-        + (f"resuming from step {start}" if latest is not None else "starting at step 0")
-        + f", run dir {run_dir}")
-
-    step_fn = make_train_step(spec, objective, optimizer, place, cfg.train.num_micro_batches)
-    eval_fn = make_eval_step(spec, objective, place)
-    stop = _Stop()
-    pending = None
-    last_eval: dict[str, float] = {}
-
-    def flush(pending) -> None:
-        step, metrics_dev, seconds = pending
-        metrics = {k: float(v) for k, v in jax.device_get(metrics_dev).items()}
-        tokens = metrics.pop("tokens", 0.0)
-        metrics.update({"lr": float(schedule(step - 1)), "time/step_s": seconds,
-                        "tokens_per_s": tokens / max(seconds, 1e-9)})
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-            sink.log(step, metrics)
-
-    def save(step: int) -> None:
-        ckpt.save(step, state, {"step": step, "examples_seen": step * cfg.train.batch_size,
-                                "epoch": step * cfg.train.batch_size // len(train_rows)})
-
-    step = start
-    t_last = time.perf_counter()
-    while step < cfg.train.steps:
-        batch = _to_global(place, _train_batch(cfg, train_rows, step))
-        state, metrics_dev = step_fn(state, batch)
-        step += 1
-        if pending is not None:
-            flush(pending)
-        now = time.perf_counter()
-        pending, t_last = (step, metrics_dev, now - t_last), now
-        sink.advance()
-        eval_due = cfg.train.eval_every and step % cfg.train.eval_every == 0
-        if eval_rows is not None and (eval_due or step == cfg.train.steps):
-            flush(pending)
-            pending = None
-            last_eval = _evaluate(eval_fn, state.params, eval_rows, cfg, place)
-            sink.log(step, last_eval)
-            sink.message(f"[gpurl] step {step}: " + ", ".join(
-                f"{k}={v:.4g}" for k, v in last_eval.items()))
-            t_last = time.perf_counter()
-        ckpt_due = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
-        if ckpt_due or step == cfg.train.steps or stop.requested:
-            save(step)
-            t_last = time.perf_counter()
-        if stop.requested:
-            sink.message(f"[gpurl] SIGTERM: saved a checkpoint at step {step}; rerun to resume.")
-            break
-    if pending is not None:
-        flush(pending)
-    sink.close()
-    ckpt.close()
-    summary = {"step": step, "finished": step >= cfg.train.steps, **last_eval}
-    if main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if stop.requested:
+        f"mesh {dict(s.place.mesh.shape)}, {len(s.train_rows)} train rows "
+        f"({s.train_rows.num_truncated} truncated), "
+        + (f"resuming from step {start}" if resumed else "starting at step 0")
+        + f", run dir {s.run_dir}")
+    try:
+        step, last_eval = _run_steps(s, state, start, sink)
+    finally:
+        sink.close()
+        s.ckpt.close()
+    if step < cfg.train.steps:
         raise SystemExit(143)
+    summary = {"step": step, "finished": True, **last_eval}
+    if main:
+        (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

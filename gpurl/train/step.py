@@ -77,24 +77,32 @@ def _split_micro(batch: Batch, num_micro: int, rows: NamedSharding) -> Batch:
     return jax.tree.map(split, batch)
 
 
+def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, num_micro: int,
+                     params: Params, batch: Batch) -> tuple[Params, dict]:
+    """Gradient of the global-batch loss, summed over micro-batches in a `lax.scan`.
+
+    Each micro-batch's loss is its share of the global loss (normalizer computed once on
+    the whole batch), so M micro-batches of B/M give the gradient of one batch of B."""
+    norm = objective.normalizer(batch)
+    grad_fn = jax.value_and_grad(objective.loss, argnums=1, has_aux=True)
+
+    def body(grads_acc: Params, micro: Batch) -> tuple[Params, dict]:
+        (_, metrics), grads = grad_fn(spec.apply, params, micro, norm)
+        grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+        return jax.lax.with_sharding_constraint(grads_acc, place.state.params), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, metrics_M = jax.lax.scan(body, zeros, _split_micro(batch, num_micro, place.batch))
+    return grads, jax.tree.map(lambda m: m.sum(0), metrics_M)
+
+
 def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.GradientTransformation,
                     place: Placement, num_micro: int) -> Callable[[TrainState, Batch], tuple]:
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        norm = objective.normalizer(batch)
-        grad_fn = jax.value_and_grad(objective.loss, argnums=1, has_aux=True)
-
-        def accumulate(grads_acc, micro: Batch):
-            (_, metrics), grads = grad_fn(spec.apply, state.params, micro, norm)
-            grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
-            return jax.lax.with_sharding_constraint(grads_acc, place.state.params), metrics
-
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        micro = _split_micro(batch, num_micro, place.batch)
-        grads, metrics_M = jax.lax.scan(accumulate, zeros, micro)
-        metrics = jax.tree.map(lambda m: m.sum(0), metrics_M)
+        grads, metrics = accumulate_grads(spec, objective, place, num_micro, state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        metrics["grad_norm"] = optax.global_norm(grads)
-        metrics["update_norm"] = optax.global_norm(updates)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        metrics["update_norm"] = optax.tree.norm(updates)
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
         new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                                opt_state=opt_state, rng=rng)

@@ -1,0 +1,69 @@
+"""The command line: composition, overrides, help, and one-sentence errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gpurl.cli import validate
+from gpurl.config import ConfigError, Config
+
+
+def _gpurl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpurl.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_overrides_compose_into_frozen_config():
+    cfg = validate(["model.d_model=32", "train.steps=7", "optim.lr=3e-4", "rollout.async=true",
+                    "data=jsonl", "data.path=/tmp/x.jsonl", "mesh.train_rules.embed=[tp]"])
+    assert isinstance(cfg, Config)
+    assert (cfg.model.d_model, cfg.train.steps, cfg.optim.lr) == (32, 7, 3e-4)
+    assert cfg.rollout.async_ is True
+    assert cfg.data.name == "jsonl" and cfg.data.max_len == 512  # group option's own values
+    assert cfg.mesh.train_rules["embed"] == ("tp",)
+    assert cfg.run.dir == "runs/sft-tiny-jsonl"  # interpolated, the same on every process
+    with pytest.raises(Exception):
+        cfg.train.steps = 3  # frozen
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("train.stepz=3", "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
+    ("train.steps=abc", "bad value for 'train.steps'"),
+    ("model=tinyy", "model=tinyy is not a known option; use one of: tiny."),
+    ("optim.decay=linear", "optim.decay='linear' is not valid; use one of: cosine, constant."),
+    ("model.num_kv_heads=3", "model.num_heads=4 is not a multiple of model.num_kv_heads=3"),
+    ("mesh.train_rules.embed=[fsdpp]", "mesh.train_rules names unknown mesh axes ['fsdpp']"),
+])
+def test_bad_overrides_fail_with_one_sentence(override, expected):
+    with pytest.raises(ConfigError, match=None) as info:
+        validate([override])
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_sweep_values_are_each_validated():
+    with pytest.raises(ConfigError, match="optim.lr"):
+        validate(["optim.lr=1e-3,abc"])
+    assert validate(["optim.lr=1e-3,3e-3"]).optim.lr == 1e-3
+
+
+def test_process_reports_typo_in_one_line_and_exit_code_2():
+    out = _gpurl("train", "train.stepz=3")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "gpurl: error: unknown config key 'train.stepz'; did you mean 'train.steps'? "
+        "run `gpurl train --cfg job` to list every key."]
+
+
+def test_help_lists_groups_and_cfg_prints_config():
+    help_text = _gpurl("train", "--help").stdout
+    for group in ("algo:", "model:", "data:", "optim:", "train:", "rollout:", "mesh:",
+                  "logger:", "run:"):
+        assert group in help_text
+    job = _gpurl("train", "--cfg", "job", "train.steps=9")
+    assert job.returncode == 0
+    assert "steps: 9" in job.stdout and "async: false" in job.stdout
+    assert "unknown command 'trian'" in _gpurl("trian").stderr
