@@ -152,13 +152,13 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100  # optimizer steps
+    steps: int = 300  # optimizer steps
     batch_size: int = 16  # global batch: examples (SFT) or prompts (RL) per step
     micro_batch_size: int = 0  # examples per gradient-accumulation micro-batch; 0 = batch_size
     seed: int = 0  # seed of the init, the data order and sampling
-    eval_every: int = 50  # evaluate every N steps (and at the end); 0 = only at the end
+    eval_every: int = 100  # evaluate every N steps (and at the end); 0 = only at the end
     eval_batch_size: int = 64  # rows per eval forward pass
-    checkpoint_every: int = 50  # save a checkpoint every N steps (and at the end); 0 = only at the end
+    checkpoint_every: int = 100  # save a checkpoint every N steps (and at the end); 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     log_every: int = 1  # write metrics every N steps
 

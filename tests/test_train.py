@@ -95,9 +95,10 @@ def test_sft_memorizes_small_set(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir()) == ["100", "150"]
 
 
-def test_eval_and_summary(tmp_path):
-    cfg = make_config(model=TINY_MODEL, data={"max_len": 24, "num_train": 64, "num_eval": 20},
-                      logger={"progress": False},
+def test_eval_summary_packing_and_wandb_offline(tmp_path):
+    cfg = make_config(model=TINY_MODEL,
+                      data={"max_len": 24, "num_train": 64, "num_eval": 20, "packing": True},
+                      logger={"name": "wandb", "mode": "offline"},
                       train={"steps": 4, "batch_size": 8, "eval_every": 2, "eval_batch_size": 8,
                              "checkpoint_every": 0, "keep_checkpoints": 1},
                       run={"dir": str(tmp_path / "run")})
@@ -108,3 +109,5 @@ def test_eval_and_summary(tmp_path):
     assert 0 < summary["eval/loss"] < 10 and summary["eval/perplexity"] > 1
     assert json.loads((tmp_path / "run/summary.json").read_text()) == summary
     assert [p.name for p in (tmp_path / "run/checkpoints").iterdir()] == ["4"]
+    offline = list((tmp_path / "run/wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("*.wandb"))  # the run was recorded

@@ -27,16 +27,16 @@ class MetricsSink:
                  total_steps: int, start_step: int, enabled: bool):
         self.enabled = enabled
         self._bar = None
+        self._bar_args = None
         self._wandb = None
         self._jsonl = None
         if not enabled:
             return
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        if cfg.progress:
-            from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train",
-                             dynamic_ncols=True, file=sys.stderr,
-                             mininterval=0.5 if sys.stderr.isatty() else 10.0)
+        self._bar_args = (dict(total=total_steps, initial=start_step, desc="train",
+                               dynamic_ncols=True, file=sys.stderr,
+                               mininterval=0.5 if sys.stderr.isatty() else 10.0)
+                          if cfg.progress else None)
         if cfg.name == LoggerName.WANDB.value:
             self._wandb = _start_wandb(cfg, run_dir, config)
 
@@ -52,6 +52,10 @@ class MetricsSink:
             self._bar.set_postfix(shown, refresh=False)
 
     def advance(self, steps: int = 1) -> None:
+        if self._bar is None and self._bar_args is not None:
+            from tqdm import tqdm  # opened at the first step, after the start-up lines
+
+            self._bar = tqdm(**self._bar_args)
         if self._bar is not None:
             self._bar.update(steps)
 
