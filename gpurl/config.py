@@ -72,10 +72,16 @@ class AlgoConfig:
                 f"algo.label_smoothing={self.label_smoothing} is not valid; use a value in [0, 1).")
 
 
+FAMILIES = ("gemma", "gemma2", "gemma3", "llama", "qwen2", "qwen3")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
+    """One decoder; families differ only by these fields (presets in configs/model/)."""
+
     name: str = "tiny"  # preset name (see configs/model/)
-    checkpoint: Optional[str] = None  # HF safetensors dir or .gguf file; null = random init
+    family: str = "gemma"  # architecture family: gemma, gemma2, gemma3, llama, qwen2, qwen3 (HF export)
+    checkpoint: Optional[str] = None  # HF safetensors dir or .gguf file; null = random init (gemma3_270m: the GGUF package)
     vocab_size: int = 512  # rows of the embedding (>= the tokenizer's vocabulary)
     d_model: int = 64  # residual width D
     num_layers: int = 2  # decoder blocks L
@@ -84,29 +90,50 @@ class ModelConfig:
     head_dim: int = 16  # width of one head
     mlp_dim: int = 128  # hidden width of the gated MLP
     activation: str = "gelu_tanh"  # gate activation: gelu_tanh (GeGLU) or silu (SwiGLU)
-    rope_theta: float = 10000.0  # RoPE base
     norm_eps: float = 1e-6  # RMSNorm epsilon
+    norm_plus_one: bool = True  # RMSNorm scales by (1 + w) with w initialized at 0 (Gemma); else by w
+    post_norms: bool = False  # extra RMSNorm after attention and after the MLP (Gemma 2/3)
+    qk_norm: bool = False  # RMSNorm over each query and key head (Gemma 3, Qwen 3)
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen 2.5)
     tie_embeddings: bool = True  # output projection shares the embedding matrix
     scale_embeddings: bool = True  # multiply embeddings by sqrt(D) (Gemma)
+    query_pre_attn_scalar: Optional[float] = None  # attention scale is this ** -0.5; null = head_dim
+    attn_softcap: Optional[float] = None  # cap * tanh(logits / cap) on attention logits (Gemma 2)
+    final_softcap: Optional[float] = None  # the same on output logits (Gemma 2)
+    sliding_window: Optional[int] = None  # local layers attend to this many tokens; null = all global
+    global_every: int = 1  # layer i is global iff (i + 1) % global_every == 0 (Gemma 2: 2, Gemma 3: 6)
+    rope_theta: float = 10000.0  # RoPE base (global layers)
+    rope_local_theta: Optional[float] = None  # RoPE base of sliding-window layers; null = rope_theta
+    rope_scaling: str = "none"  # RoPE scaling of global layers: none, linear (Gemma 3 4B+), llama3
+    rope_scaling_factor: float = 1.0  # linear/llama3: context extension factor
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: low-frequency factor
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: high-frequency factor
+    rope_original_max_len: int = 8192  # llama3 scaling: original pre-training context length
     max_seq_len: int = 2048  # longest sequence the model is used with
     dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16
     param_dtype: str = "float32"  # dtype of stored parameters and optimizer moments
     attention: str = "auto"  # attention implementation: auto or xla (more with the kernels issue)
     init_std: float = 0.02  # std of the random normal init of projections
-    tokenizer: str = "bytes"  # bytes (built-in byte-level BPE) or a tokenizer.json path
+    tokenizer: str = "auto"  # auto (the checkpoint's, else bytes), bytes (built-in byte-level), or a tokenizer.json path
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                    "head_dim", "mlp_dim", "max_seq_len"):
+                    "head_dim", "mlp_dim", "max_seq_len", "global_every"):
             _positive(f"model.{key}", getattr(self, key))
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads="
                 f"{self.num_kv_heads}; choose num_kv_heads dividing num_heads.")
+        _choice("model.family", self.family, FAMILIES)
         _choice("model.activation", self.activation, ("gelu_tanh", "silu"))
+        _choice("model.rope_scaling", self.rope_scaling, ("none", "linear", "llama3"))
         _choice("model.dtype", self.dtype, ("auto",) + DTYPES)
         _choice("model.param_dtype", self.param_dtype, DTYPES)
         _choice("model.attention", self.attention, ("auto", "xla"))
+
+    def is_global(self, layer: int) -> bool:
+        """Whether `layer` attends to the whole context (else to `sliding_window` tokens)."""
+        return self.sliding_window is None or (layer + 1) % self.global_every == 0
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gpurl.config import ModelConfig
@@ -37,21 +38,49 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: f
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype: Any):
-        self.scale = nnx.Param(jnp.zeros((dim,), param_dtype), logical_axes=("norm",))
+    """RMSNorm (Zhang & Sennrich 2019); Gemma scales by (1 + w) with w initialized at 0."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool, param_dtype: Any):
+        init = jnp.zeros if plus_one else jnp.ones
+        self.scale = nnx.Param(init((dim,), param_dtype), logical_axes=("norm",))
         self.eps = eps
+        self.plus_one = plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (y * (1.0 + scale if self.plus_one else scale)).astype(x.dtype)
 
 
-def rope(x_BxTxNxD: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig, is_global: bool) -> np.ndarray:
+    """Inverse frequencies theta^(-2i/d) of one layer, with the layer's base and scaling
+    (computed in float64 on the host, then rounded once to float32)."""
+    theta = cfg.rope_theta if is_global or cfg.rope_local_theta is None else cfg.rope_local_theta
+    inv_freq_F = 1.0 / theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
+    if is_global and cfg.rope_scaling == "linear":  # position interpolation (Chen et al. 2023, eq. 4)
+        inv_freq_F = inv_freq_F / cfg.rope_scaling_factor
+    elif is_global and cfg.rope_scaling == "llama3":
+        inv_freq_F = _llama3_scaling(inv_freq_F, cfg)
+    return inv_freq_F.astype(np.float32)
+
+
+def _llama3_scaling(inv_freq_F: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """Llama 3.1 RoPE scaling (Meta's reference code for Llama 3.1): long wavelengths are
+    divided by `factor`, short ones kept, the band between interpolated smoothly."""
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen_F = 2 * math.pi / inv_freq_F
+    low_wavelen, high_wavelen = cfg.rope_original_max_len / low, cfg.rope_original_max_len / high
+    smooth_F = (cfg.rope_original_max_len / wavelen_F - low) / (high - low)
+    smoothed_F = (1 - smooth_F) * inv_freq_F / factor + smooth_F * inv_freq_F
+    out_F = np.where(wavelen_F > low_wavelen, inv_freq_F / factor, inv_freq_F)
+    medium_F = (wavelen_F >= high_wavelen) & (wavelen_F <= low_wavelen)
+    return np.where(medium_F, smoothed_F, out_F)
+
+
+def rope(x_BxTxNxD: jax.Array, positions_BxT: jax.Array, inv_freq_F: jax.Array) -> jax.Array:
     """Rotary embedding (Su et al. 2021, RoFormer, eq. 34), half-split layout as in HF."""
-    half = x_BxTxNxD.shape[-1] // 2
-    freqs_F = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * freqs_F
+    angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq_F
     sin, cos = jnp.sin(angles_BxTxF)[:, :, None, :], jnp.cos(angles_BxTxF)[:, :, None, :]
     x1, x2 = jnp.split(x_BxTxNxD.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -59,25 +88,46 @@ def rope(x_BxTxNxD: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Ar
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
         d, h, k, hd, pd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
         self.q = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), cfg.init_std, pd)
         self.k = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)
         self.v = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)
         self.o = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), cfg.init_std, pd)
-        self.theta = cfg.rope_theta
-        self.scale = 1.0 / math.sqrt(hd)
+        if cfg.qkv_bias:
+            self.q_bias = nnx.Param(jnp.zeros((h, hd), pd), logical_axes=("heads", "head_dim"))
+            self.k_bias = nnx.Param(jnp.zeros((k, hd), pd), logical_axes=("kv_heads", "head_dim"))
+            self.v_bias = nnx.Param(jnp.zeros((k, hd), pd), logical_axes=("kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_plus_one, pd)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_plus_one, pd)
+        is_global = cfg.is_global(layer)
+        self.window = None if is_global else cfg.sliding_window
+        self.rope_key = (cfg, is_global)  # static: frequencies are constants under jit
+        self.scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
+        self.softcap = cfg.attn_softcap
+        self.has_bias, self.has_qk_norm = cfg.qkv_bias, cfg.qk_norm
         self.implementation = resolve(cfg.attention)
+
+    def _project(self, x_BxTxD: jax.Array, name: str) -> jax.Array:
+        dt = x_BxTxD.dtype
+        out = jnp.einsum("btd,dne->btne", x_BxTxD, getattr(self, name)[...].astype(dt))
+        if self.has_bias:
+            out = out + getattr(self, f"{name}_bias")[...].astype(dt)
+        if self.has_qk_norm and name in ("q", "k"):
+            out = getattr(self, f"{name}_norm")(out)
+        return out
 
     def __call__(self, x_BxTxD: jax.Array, positions_BxT: jax.Array,
                  segments_BxT: jax.Array) -> jax.Array:
-        dt = x_BxTxD.dtype
-        q = rope(jnp.einsum("btd,dhe->bthe", x_BxTxD, self.q[...].astype(dt)), positions_BxT, self.theta)
-        k = rope(jnp.einsum("btd,dke->btke", x_BxTxD, self.k[...].astype(dt)), positions_BxT, self.theta)
-        v = jnp.einsum("btd,dke->btke", x_BxTxD, self.v[...].astype(dt))
-        mask = attention_mask(positions_BxT, positions_BxT, segments_BxT, segments_BxT)
-        out_BxTxHxE = attention(q, k, v, mask, scale=self.scale, implementation=self.implementation)
-        return jnp.einsum("bthe,hed->btd", out_BxTxHxE, self.o[...].astype(dt))
+        inv_freq_F = jnp.asarray(rope_frequencies(*self.rope_key))
+        q_BxTxHxE = rope(self._project(x_BxTxD, "q"), positions_BxT, inv_freq_F)
+        k_BxTxKxE = rope(self._project(x_BxTxD, "k"), positions_BxT, inv_freq_F)
+        v_BxTxKxE = self._project(x_BxTxD, "v")
+        mask = attention_mask(positions_BxT, positions_BxT, segments_BxT, segments_BxT, self.window)
+        out_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, mask, scale=self.scale,
+                                softcap=self.softcap, implementation=self.implementation)
+        return jnp.einsum("bthe,hed->btd", out_BxTxHxE, self.o[...].astype(x_BxTxD.dtype))
 
 
 class MLP(nnx.Module):
@@ -97,15 +147,26 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
-        self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+    """Pre-norm block; Gemma 2/3 add a norm after attention and after the MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+        def norm() -> RMSNorm:
+            return RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one, cfg.param_dtype)
+
+        self.attn_norm = norm()
+        self.attn = Attention(cfg, layer, rngs)
+        self.mlp_norm = norm()
         self.mlp = MLP(cfg, rngs)
+        if cfg.post_norms:
+            self.post_attn_norm = norm()
+            self.post_mlp_norm = norm()
+        self.post_norms = cfg.post_norms
 
     def __call__(self, x_BxTxD, positions_BxT, segments_BxT):
-        x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), positions_BxT, segments_BxT)
-        return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
+        h_BxTxD = self.attn(self.attn_norm(x_BxTxD), positions_BxT, segments_BxT)
+        x_BxTxD = x_BxTxD + (self.post_attn_norm(h_BxTxD) if self.post_norms else h_BxTxD)
+        h_BxTxD = self.mlp(self.mlp_norm(x_BxTxD))
+        return x_BxTxD + (self.post_mlp_norm(h_BxTxD) if self.post_norms else h_BxTxD)
 
 
 class Transformer(nnx.Module):
@@ -118,8 +179,8 @@ class Transformer(nnx.Module):
         emb_std = 1.0 / math.sqrt(cfg.d_model) if cfg.scale_embeddings else cfg.init_std
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), emb_std,
                             cfg.param_dtype)
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+        self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one, cfg.param_dtype)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                   cfg.init_std, cfg.param_dtype)
@@ -129,10 +190,16 @@ class Transformer(nnx.Module):
         table_VxD = self.embed[...].astype(self.dtype)
         x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
         if self.cfg.scale_embeddings:
+            # Gemma rounds the normalizer to the compute dtype before multiplying.
             x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.dtype)
         for block in self.blocks:
             x_BxTxD = block(x_BxTxD, positions_BxT, segments_BxT)
         x_BxTxD = self.final_norm(x_BxTxD)
         if self.cfg.tie_embeddings:
-            return jnp.einsum("btd,vd->btv", x_BxTxD, table_VxD)
-        return x_BxTxD @ self.lm_head[...].astype(self.dtype)
+            logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, table_VxD)
+        else:
+            logits_BxTxV = x_BxTxD @ self.lm_head[...].astype(self.dtype)
+        if self.cfg.final_softcap is not None:
+            cap = self.cfg.final_softcap
+            logits_BxTxV = cap * jnp.tanh(logits_BxTxV.astype(jnp.float32) / cap)
+        return logits_BxTxV
