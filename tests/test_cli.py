@@ -32,7 +32,7 @@ def test_overrides_compose_into_frozen_config():
 @pytest.mark.parametrize("override,expected", [
     ("train.stepz=3", "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     ("train.steps=abc", "bad value for 'train.steps'"),
-    ("model=tinyy", "model=tinyy is not a known option; use one of: tiny."),
+    ("model=tinyy", "model=tinyy is not a known option; use one of: gemma2_2b, "),
     ("optim.decay=linear", "optim.decay='linear' is not valid; use one of: cosine, constant."),
     ("model.num_kv_heads=3", "model.num_heads=4 is not a multiple of model.num_kv_heads=3"),
     ("mesh.train_rules.embed=[fsdpp]", "mesh.train_rules names unknown mesh axes ['fsdpp']"),

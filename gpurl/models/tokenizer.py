@@ -107,8 +107,17 @@ def _bytes_to_unicode() -> list[str]:
 
 
 def load_tokenizer(cfg: ModelConfig) -> Tokenizer:
-    """The tokenizer `cfg.tokenizer` names: `bytes` or a tokenizer.json (file or directory)."""
-    tokenizer = byte_tokenizer() if cfg.tokenizer == "bytes" else _load_hf(cfg.tokenizer)
+    """The tokenizer `cfg.tokenizer` names: `bytes`, a tokenizer.json (file or directory),
+    or `auto`: the checkpoint's own (tokenizer.json beside it, or rebuilt from GGUF
+    metadata), and the byte tokenizer for a randomly initialized model."""
+    if cfg.tokenizer == "auto":
+        from gpurl.models.loading import checkpoint_tokenizer  # loading imports this module
+
+        tokenizer = checkpoint_tokenizer(cfg) or byte_tokenizer()
+    elif cfg.tokenizer == "bytes":
+        tokenizer = byte_tokenizer()
+    else:
+        tokenizer = load_tokenizer_json(cfg.tokenizer)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(
             f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
@@ -116,7 +125,7 @@ def load_tokenizer(cfg: ModelConfig) -> Tokenizer:
     return tokenizer
 
 
-def _load_hf(path_str: str) -> Tokenizer:
+def load_tokenizer_json(path_str: str) -> Tokenizer:
     path = Path(path_str).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"

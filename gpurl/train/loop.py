@@ -9,6 +9,7 @@ step N+1 so the device never waits on logging.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import time
@@ -27,7 +28,7 @@ from gpurl.data.sft import TokenRows, encode_sft
 from gpurl.data.sources import load_examples
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import batch_divisor, trainer_mesh
-from gpurl.models import count_params, model_spec
+from gpurl.models import count_params, loading, model_spec
 from gpurl.models.tokenizer import load_tokenizer
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.metrics import MetricsSink
@@ -152,9 +153,11 @@ def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = trainer_mesh(cfg.mesh)
     _check_batch(cfg, batch_divisor(mesh, cfg.mesh.train_rules))
-    tokenizer = load_tokenizer(cfg.model)
+    model_cfg = loading.resolve(cfg.model)
+    cfg = dataclasses.replace(cfg, model=model_cfg)  # config.yaml records the real architecture
+    tokenizer = load_tokenizer(model_cfg)
     train_examples, eval_examples = load_examples(cfg.data)
-    spec = model_spec(cfg.model)
+    spec = model_spec(model_cfg)
     objective = algorithms.objective(cfg.algo)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     place = placement(spec, optimizer, mesh, cfg.mesh.train_rules)
@@ -166,7 +169,8 @@ def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
         eval_fn=make_eval_step(spec, objective, place),
         schedule=lr_schedule(cfg.optim, cfg.train.steps),
         ckpt=Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints),
-    ), make_init(spec, optimizer, place, cfg.train.seed)
+    ), make_init(spec, optimizer, place, cfg.train.seed,
+                 lambda: loading.load_params(model_cfg, spec, place.state.params))
 
 
 def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, int, bool]:
@@ -215,6 +219,7 @@ def train(cfg: Config) -> dict[str, Any]:
     """Runs (or resumes) training; returns the final eval figures (also in summary.json)."""
     runtime.initialize(cfg.distributed)
     s, init = _build(cfg)
+    cfg = s.cfg
     state, start, resumed = _restore_or_init(s, init)
     if start >= cfg.train.steps:
         done = s.run_dir / "summary.json"

@@ -123,6 +123,18 @@ def make_eval_step(spec: ModelSpec, objective: Objective, place: Placement) -> C
 
 
 def make_init(spec: ModelSpec, optimizer: optax.GradientTransformation, place: Placement,
-              seed: int) -> Callable[[], TrainState]:
-    """Creates the state directly in its shards (never whole on one device)."""
-    return jax.jit(lambda: init_state(spec, optimizer, seed), out_shardings=place.state)
+              seed: int, load_params: Callable[[], Params | None] = lambda: None
+              ) -> Callable[[], TrainState]:
+    """Creates the state directly in its shards (never whole on one device): random
+    parameters, or the ones `load_params` places (a checkpoint's), with a fresh optimizer."""
+    def init() -> TrainState:
+        params = load_params()
+        if params is None:
+            return jax.jit(lambda: init_state(spec, optimizer, seed), out_shardings=place.state)()
+        fresh = jax.jit(lambda p: TrainState(
+            step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p),
+            rng=jax.random.key_data(jax.random.key(seed + 1))),
+            in_shardings=(place.state.params,), out_shardings=place.state, donate_argnums=0)
+        return fresh(params)
+
+    return init
