@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import keyword
 import os
 import sys
 import typing
@@ -17,9 +16,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import gpurl
-from gpurl.config import Config, ConfigError
+from gpurl.config import Config, ConfigError, from_dict, yaml_key
 
-SUBCOMMANDS = {"train": "train with the composed config (resumes from run.dir)"}
+SUBCOMMANDS = {
+    "train": "train with the composed config (resumes from run.dir)",
+    "export": "export checkpoint=RUN_DIR out=DIR [step=N]: write an HF safetensors directory",
+}
 # Hydra's own flags: they print or configure, so they skip gpurl's pre-validation.
 _HYDRA_INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i",
                      "--resolve", "--shell-completion", "-sc", "--version")
@@ -36,11 +38,6 @@ def config_dir() -> Path:
 
 # ---------------------------------------------------------------- schema <-> dataclasses
 
-def _yaml_key(name: str) -> str:
-    """`async_` (a Python keyword with a suffix) is `async` in YAML and on the command line."""
-    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
-
-
 def _schema(cls: type) -> Any:
     """Typed OmegaConf node for a dataclass, with keyword-safe field names renamed."""
     from omegaconf import DictConfig, OmegaConf
@@ -51,28 +48,16 @@ def _schema(cls: type) -> Any:
     content = {}
     for f in dataclasses.fields(cls):
         sub = hints[f.name]
-        content[_yaml_key(f.name)] = (_schema(sub) if dataclasses.is_dataclass(sub)
+        content[yaml_key(f.name)] = (_schema(sub) if dataclasses.is_dataclass(sub)
                                       else structured._get_node(f.name))
     return DictConfig(content)
-
-
-def _build(cls: type, data: dict[str, Any]) -> Any:
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        key = _yaml_key(f.name)
-        if key not in data:
-            continue
-        value = data[key]
-        kwargs[f.name] = _build(hints[f.name], value) if dataclasses.is_dataclass(hints[f.name]) else value
-    return cls(**kwargs)
 
 
 def to_config(cfg: Any) -> Config:
     """The one conversion: composed DictConfig -> frozen, validated `Config`."""
     from omegaconf import OmegaConf
 
-    return _build(Config, OmegaConf.to_container(cfg, resolve=True))
+    return from_dict(OmegaConf.to_container(cfg, resolve=True))
 
 
 def _register_schema() -> None:
@@ -190,6 +175,36 @@ def _run_hydra(subcommand: str, args: list[str], job) -> None:
     hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(job)()
 
 
+def _key_values(args: list[str], required: tuple[str, ...], optional: tuple[str, ...],
+                command: str) -> dict[str, str]:
+    """`key=value` arguments of the plain (non-Hydra) subcommands."""
+    values = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in required + optional:
+            _fail(f"'{arg}' is not an argument of gpurl {command}; use "
+                  f"{' '.join(k + '=...' for k in required + optional)}.")
+        values[key] = value
+    missing = [k for k in required if k not in values]
+    if missing:
+        _fail(f"gpurl {command} needs {', '.join(k + '=...' for k in missing)}.")
+    return values
+
+
+def _export(args: list[str]) -> None:
+    from gpurl.train.export import export_run
+
+    values = _key_values(args, ("checkpoint", "out"), ("step",), "export")
+    step = values.get("step")
+    if step is not None and not step.isdigit():
+        _fail(f"step={step} is not an integer; give a checkpoint step such as step=100.")
+    try:
+        out = export_run(values["checkpoint"], values["out"], None if step is None else int(step))
+    except ConfigError as e:
+        _fail(str(e))
+    print(f"[gpurl] exported {values['checkpoint']} to {out}")
+
+
 def _usage() -> str:
     lines = [f"usage: gpurl COMMAND [overrides]   (gpurl {gpurl.__version__})", "", "commands:"]
     lines += [f"  {name:<10} {text}" for name, text in SUBCOMMANDS.items()]
@@ -208,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     command, rest = args[0], args[1:]
     if command not in SUBCOMMANDS:
         _fail(f"unknown command '{command}'; use one of: {', '.join(SUBCOMMANDS)}.")
+    if command == "export":
+        _export(rest)
+        return
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     if not any(a.split("=")[0] in _HYDRA_INFO_FLAGS for a in rest):
         try:

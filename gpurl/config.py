@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import keyword
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -299,3 +301,21 @@ def to_dict(cfg: Any) -> Any:
             return [fix(v) for v in d]
         return d
     return fix(out)
+
+
+def yaml_key(name: str) -> str:
+    """`async_` (a Python keyword with a suffix) is `async` in YAML and on the command line."""
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
+
+
+def from_dict(data: dict[str, Any], cls: type = Config) -> Any:
+    """Builds (and so validates) a frozen config from nested plain dicts, e.g. a run's
+    config.yaml; keys missing from `data` take their defaults."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = yaml_key(f.name)
+        if key in data:
+            sub = hints[f.name]
+            kwargs[f.name] = from_dict(data[key], sub) if dataclasses.is_dataclass(sub) else data[key]
+    return cls(**kwargs)

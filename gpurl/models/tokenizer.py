@@ -187,3 +187,20 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) else None
+
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: str | Path) -> None:
+    """tokenizer.json + tokenizer_config.json that transformers' AutoTokenizer loads."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.tok.save(str(out / "tokenizer.json"))
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": tokenizer.eos_token,
+        "pad_token": tokenizer.tok.id_to_token(tokenizer.pad_id),
+        "bos_token": tokenizer.bos_token or None,
+        "add_bos_token": tokenizer.bos_id is not None,
+    }
+    if tokenizer.chat_template is not None:
+        config["chat_template"] = tokenizer.chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

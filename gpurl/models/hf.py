@@ -1,0 +1,523 @@
+"""Hugging Face checkpoints: config.json -> ModelConfig, safetensors -> sharded params, export.
+
+Loading never holds a whole model on one device or on the host: every tensor stays a
+memory-mapped view (transposes and reshapes are views too), and
+`jax.make_array_from_callback` reads only the slice each device owns. Export writes the
+classic `rope_theta`/`rope_scaling` config form, which transformers 4.x and 5.x both read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from gpurl.config import ConfigError, ModelConfig
+from gpurl.models import ModelSpec, Params
+from gpurl.models.safetensors_io import open_checkpoint, write_tensors
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a transformers model type fixes, and the config defaults its class fills in."""
+
+    model_type: str
+    architecture: str
+    act_key: str  # config.json key of the MLP activation
+    gemma: bool  # (1 + w) norms and sqrt(D)-scaled embeddings
+    post_norms: bool
+    qk_norm: bool
+    qkv_bias: bool | None  # None: the config's attention_bias, which gpurl supports only off
+    layer_types: bool  # has sliding-window layers (and query_pre_attn_scalar, softcaps)
+    local_rope: bool  # sliding layers have their own RoPE base
+    defaults: dict[str, Any]
+
+
+_SHAPES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+           "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def _defaults(*shapes: int, **rest: Any) -> dict[str, Any]:
+    return {**dict(zip(_SHAPES, shapes)), **rest}
+
+
+_GEMMA = dict(gemma=True, act_key="hidden_activation", layer_types=True, post_norms=True)
+_SILU = dict(hidden_act="silu")
+_GEMMA_DEFAULTS = dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                       query_pre_attn_scalar=256, sliding_window=4096)
+# Defaults of the transformers 5 config classes: real config.json files omit keys that
+# equal them (Gemma 3 4B's text_config names only five).
+FAMILIES: dict[str, Family] = {
+    "gemma": Family("gemma", "GemmaForCausalLM", "hidden_act", gemma=True, post_norms=False,
+                    qk_norm=False, qkv_bias=None, layer_types=False, local_rope=False,
+                    defaults=_defaults(256000, 3072, 24576, 28, 16, 16, 256,
+                                       hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "gemma2": Family("gemma2", "Gemma2ForCausalLM", **_GEMMA, qk_norm=False, qkv_bias=None,
+                     local_rope=False, defaults=_defaults(
+                         256000, 2304, 9216, 26, 8, 4, 256, **_GEMMA_DEFAULTS,
+                         sliding_window_pattern=2, attn_logit_softcapping=50.0,
+                         final_logit_softcapping=30.0)),
+    "gemma3": Family("gemma3_text", "Gemma3ForCausalLM", **_GEMMA, qk_norm=True, qkv_bias=None,
+                     local_rope=True, defaults=_defaults(
+                         262208, 2304, 9216, 26, 8, 4, 256, **_GEMMA_DEFAULTS,
+                         sliding_window_pattern=6, rope_theta=1_000_000.0,
+                         rope_local_base_freq=10_000.0)),
+    "llama": Family("llama", "LlamaForCausalLM", "hidden_act", gemma=False, post_norms=False,
+                    qk_norm=False, qkv_bias=None, layer_types=False, local_rope=False,
+                    defaults=_defaults(32000, 4096, 11008, 32, 32, **_SILU)),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", "hidden_act", gemma=False, post_norms=False,
+                    qk_norm=False, qkv_bias=True, layer_types=False, local_rope=False,
+                    defaults=_defaults(151936, 4096, 22016, 32, 32, 32, **_SILU)),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", "hidden_act", gemma=False, post_norms=False,
+                    qk_norm=True, qkv_bias=None, layer_types=False, local_rope=False,
+                    defaults=_defaults(151936, 4096, 22016, 32, 32, 32, 128, **_SILU)),
+}
+_MODEL_TYPES = {"gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3",
+                "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "silu": "silu",
+                "swish": "silu"}
+_HF_ACTIVATIONS = {"gelu_tanh": "gelu_pytorch_tanh", "silu": "silu"}
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+# ---------------------------------------------------------------------------- config.json
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """config.json of a checkpoint; a multimodal one yields its text_config (with model_type)."""
+    path = Path(path)
+    file = (path.parent if path.is_file() else path) / "config.json"
+    try:
+        hf = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config.json at {file}; set model.checkpoint to a Hugging Face "
+                          f"checkpoint directory.") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file} is not valid JSON ({e}); re-download the checkpoint.") from None
+    if isinstance(hf.get("text_config"), dict):
+        text = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **hf["text_config"]}
+        text.setdefault("model_type", hf.get("model_type"))
+        return text
+    return hf
+
+
+def model_config_from_hf(path: str | Path, base: ModelConfig) -> ModelConfig:
+    """`base` with every architecture field taken from the checkpoint's config.json."""
+    return config_from_dict(read_hf_config(path), base, source=str(path))
+
+
+def config_from_dict(hf: dict[str, Any], base: ModelConfig, source: str) -> ModelConfig:
+    family = _MODEL_TYPES.get(hf.get("model_type"))
+    if family is None:
+        raise ConfigError(f"{source} holds a {hf.get('model_type')!r} model; gpurl loads "
+                          f"model_type {', '.join(_MODEL_TYPES)}; use a checkpoint of one of them.")
+    fam = FAMILIES[family]
+
+    def get(key: str) -> Any:
+        return hf.get(key, fam.defaults.get(key))
+
+    _check_unsupported(hf, fam, source)
+    heads, d = get("num_attention_heads"), get("hidden_size")
+    fields = dict(
+        family=family, vocab_size=get("vocab_size"), d_model=d, num_layers=get("num_hidden_layers"),
+        num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads,
+        head_dim=get("head_dim") or d // heads, mlp_dim=get("intermediate_size"),
+        activation=_activation(hf, fam, source), norm_eps=hf.get("rms_norm_eps", 1e-6),
+        norm_plus_one=fam.gemma, scale_embeddings=fam.gemma, post_norms=fam.post_norms,
+        qk_norm=fam.qk_norm, qkv_bias=bool(fam.qkv_bias),
+        tie_embeddings=bool(get("tie_word_embeddings")), query_pre_attn_scalar=None,
+        attn_softcap=None, final_softcap=None)
+    if fam.layer_types:
+        fields.update(query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
+                      attn_softcap=_float_or_none(get("attn_logit_softcapping")),
+                      final_softcap=_float_or_none(get("final_logit_softcapping")))
+    fields.update(_window_fields(hf, fam, fields["num_layers"], source))
+    fields.update(_rope_fields(hf, fam, fields["sliding_window"] is not None, source))
+    return dataclasses.replace(base, **fields)
+
+
+def _float_or_none(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def _check_unsupported(hf: dict[str, Any], fam: Family, source: str) -> None:
+    unsupported = {"attention_bias": fam.qkv_bias is None, "mlp_bias": True,
+                   "use_bidirectional_attention": True, "use_sliding_window": True}
+    for key, checked in unsupported.items():
+        if checked and hf.get(key):
+            raise ConfigError(f"{source} sets {key}=true, which gpurl's decoder does not "
+                              f"implement; use a checkpoint without it.")
+
+
+def _activation(hf: dict[str, Any], fam: Family, source: str) -> str:
+    name = hf.get(fam.act_key) or hf.get("hidden_activation") or fam.defaults[fam.act_key]
+    if fam.model_type == "gemma" and name == "gelu":
+        name = "gelu_pytorch_tanh"  # transformers' reading of the original Gemma releases
+    if name not in _ACTIVATIONS:
+        raise ConfigError(f"{source} uses activation {name!r}; gpurl supports "
+                          f"{', '.join(_ACTIVATIONS)}.")
+    return _ACTIVATIONS[name]
+
+
+def _window_fields(hf: dict[str, Any], fam: Family, num_layers: int, source: str) -> dict[str, Any]:
+    """Sliding window and global_every from layer_types (or the older sliding_window_pattern)."""
+    if not fam.layer_types:  # Llama and Qwen windows are refused by _check_unsupported
+        return {"sliding_window": None, "global_every": 1}
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = (hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern")
+                   or fam.defaults["sliding_window_pattern"])
+        types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {FULL, SLIDING}:
+        raise ConfigError(f"{source} has layer_types {types}, not {num_layers} of "
+                          f"{FULL!r}/{SLIDING!r}; use a checkpoint of a supported model.")
+    window = hf.get("sliding_window", fam.defaults["sliding_window"])
+    if SLIDING not in types or window is None:
+        return {"sliding_window": None, "global_every": 1}
+    every = types.index(FULL) + 1 if FULL in types else num_layers + 1
+    if any((t == FULL) != ((i + 1) % every == 0) for i, t in enumerate(types)):
+        raise ConfigError(
+            f"{source} has global layers at {[i for i, t in enumerate(types) if t == FULL]}; gpurl "
+            f"needs layer i global iff (i + 1) % global_every == 0; use a checkpoint with a "
+            f"regular pattern.")
+    return {"sliding_window": int(window), "global_every": every}
+
+
+def _rope_tables(hf: dict[str, Any], fam: Family) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(global, sliding-layer) RoPE parameters from `rope_parameters` or the classic keys."""
+    theta = hf.get("rope_theta", fam.defaults.get("rope_theta", 10_000.0))
+    glob = {"rope_theta": theta, **(hf.get("rope_scaling") or {})}
+    local = ({"rope_theta": hf.get("rope_local_base_freq", fam.defaults["rope_local_base_freq"])}
+             if fam.local_rope else None)
+    params = hf.get("rope_parameters") or {}
+    if FULL in params or SLIDING in params:  # transformers 5, one table per layer type
+        glob.update(params.get(FULL) or {})
+        if params.get(SLIDING):
+            local = {**(local or {"rope_theta": glob["rope_theta"]}), **params[SLIDING]}
+    else:
+        glob.update(params)
+    return glob, local
+
+
+def _rope_kind(table: dict[str, Any] | None) -> str:
+    return (table or {}).get("rope_type", (table or {}).get("type")) or "default"
+
+
+def _rope_fields(hf: dict[str, Any], fam: Family, has_local: bool, source: str) -> dict[str, Any]:
+    glob, local = _rope_tables(hf, fam)
+    kind, local_kind = _rope_kind(glob), _rope_kind(local)
+    if has_local and not fam.local_rope:
+        local_kind = kind  # one rotary table for all layers (Gemma 2)
+    if kind not in ("default", "linear", "llama3") or local_kind != "default":
+        raise ConfigError(f"{source} uses RoPE {kind!r} on global and {local_kind!r} on sliding "
+                          f"layers; gpurl supports default, linear or llama3 on global layers and "
+                          f"default on sliding ones, use a checkpoint without this scaling.")
+    if glob.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{source} sets partial_rotary_factor; gpurl rotates whole heads, use "
+                          f"a checkpoint without it.")
+    theta = float(glob["rope_theta"])
+    local_theta = float(local["rope_theta"]) if local else None
+    if not fam.local_rope and local_theta not in (None, theta):
+        raise ConfigError(f"{source} gives sliding layers their own RoPE base, which gpurl "
+                          f"supports only for gemma3.")
+    out: dict[str, Any] = {"rope_theta": theta, "rope_scaling": "none",
+                           "rope_local_theta": local_theta if fam.local_rope else None}
+    if kind != "default":
+        out.update(rope_scaling=kind, rope_scaling_factor=float(glob["factor"]))
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=float(glob["low_freq_factor"]),
+                   rope_high_freq_factor=float(glob["high_freq_factor"]),
+                   rope_original_max_len=int(glob.get("original_max_position_embeddings",
+                                                      hf.get("max_position_embeddings", 2048))))
+    return out
+
+
+# ------------------------------------------------------------------- parameter layout
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One parameter: its path in gpurl's tree, its HF name and shape, and whether
+    gpurl stores it transposed (a linear layer: HF [out, in], gpurl [in, ...out])."""
+
+    path: tuple[Any, ...]
+    name: str
+    shape: tuple[int, ...]
+    transpose: bool = False
+
+
+_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+_SANDWICH_NORMS = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                   "mlp_norm": "pre_feedforward_layernorm",
+                   "post_mlp_norm": "post_feedforward_layernorm"}
+
+
+def hf_layout(cfg: ModelConfig) -> list[HFTensor]:
+    d, v = cfg.d_model, cfg.vocab_size
+    out = [HFTensor(("embed",), "model.embed_tokens.weight", (v, d))]
+    for i in range(cfg.num_layers):
+        out += _block_layout(cfg, i)
+    out.append(HFTensor(("final_norm", "scale"), "model.norm.weight", (d,)))
+    if not cfg.tie_embeddings:
+        out.append(HFTensor(("lm_head",), "lm_head.weight", (v, d), transpose=True))
+    return out
+
+
+def _block_layout(cfg: ModelConfig, i: int) -> list[HFTensor]:
+    d, f, e = cfg.d_model, cfg.mlp_dim, cfg.head_dim
+    heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
+
+    def t(path: tuple[str, ...], name: str, shape: tuple[int, ...],
+          transpose: bool = False) -> HFTensor:
+        return HFTensor(("blocks", i) + path, f"model.layers.{i}.{name}", shape, transpose)
+
+    out = [t(("attn", x), f"self_attn.{x}_proj.weight", (n * e, d), True) for x, n in heads.items()]
+    out.append(t(("attn", "o"), "self_attn.o_proj.weight", (d, cfg.num_heads * e), True))
+    if cfg.qkv_bias:
+        out += [t(("attn", f"{x}_bias"), f"self_attn.{x}_proj.bias", (n * e,)) for x, n in heads.items()]
+    if cfg.qk_norm:
+        out += [t(("attn", f"{x}_norm", "scale"), f"self_attn.{x}_norm.weight", (e,)) for x in "qk"]
+    norms = _SANDWICH_NORMS if cfg.post_norms else _NORMS
+    out += [t((ours, "scale"), f"{theirs}.weight", (d,)) for ours, theirs in norms.items()]
+    out += [t(("mlp", x), f"mlp.{x}_proj.weight", (f, d), True) for x in ("gate", "up")]
+    out.append(t(("mlp", "down"), "mlp.down_proj.weight", (d, f), True))
+    return out
+
+
+def _get(tree: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple[Any, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _check_layout(layout: list[HFTensor], abstract: Params) -> None:
+    ours = {tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    mapped = {t.path for t in layout}
+    if ours != mapped:
+        raise RuntimeError(f"gpurl/models/hf.py maps {sorted(map(str, mapped - ours))} but the model "
+                           f"has {sorted(map(str, ours - mapped))}; update hf_layout to the model.")
+
+
+# ---------------------------------------------------------------------------- loading
+
+# Multimodal Gemma 3 nests the text model; transformers 4 and 5 name it differently.
+_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+             ("language_model.lm_head.", "lm_head."))
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(vision_tower|multi_modal_projector)\.")
+
+
+def _text_tensors(path: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for name, view in open_checkpoint(path).items():
+        if _IGNORED.search(name):
+            continue
+        for old, new in _PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        out[name] = view
+    return out
+
+
+def _mismatch(path: Path, cfg: ModelConfig, problem: str) -> ConfigError:
+    try:
+        hf = read_hf_config(path)
+        what = (f"a {hf.get('model_type')} model with {hf.get('num_hidden_layers')} layers, "
+                f"hidden_size {hf.get('hidden_size')}, vocab {hf.get('vocab_size')}")
+    except ConfigError:
+        what = "a checkpoint without a readable config.json"
+    return ConfigError(
+        f"the checkpoint at {path} is {what}; it does not fit model={cfg.name} ({cfg.family}, "
+        f"{cfg.num_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}): {problem}; "
+        f"build the model config from the checkpoint (model_config_from_hf) or point "
+        f"model.checkpoint at a matching checkpoint.")
+
+
+def _check_names(layout: list[HFTensor], tensors: dict[str, np.ndarray], path: Path,
+                 cfg: ModelConfig) -> None:
+    expected = {t.name: t.shape for t in layout}
+    missing = [f"{n} {expected[n]}" for n in expected if n not in tensors]
+    # Tied checkpoints sometimes store the shared matrix twice; transformers ignores it.
+    extra = [n for n in tensors if n not in expected and not (n == "lm_head.weight" and cfg.tie_embeddings)]
+    if missing:
+        raise _mismatch(path, cfg, f"tensors missing (expected shape in brackets): {missing[:5]}"
+                                   f"{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        raise _mismatch(path, cfg, f"unexpected tensors {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+
+
+def load_hf_params(path: str | Path, spec: ModelSpec, shardings: Params) -> Params:
+    """Params of `spec` from a HF safetensors checkpoint, each tensor built on its shards.
+
+    `shardings` has the structure of `spec.abstract_params` with `NamedSharding` leaves;
+    every device reads only its own slice of the memory-mapped file.
+    """
+    path, cfg = Path(path), spec.cfg
+    layout = hf_layout(cfg)
+    _check_layout(layout, spec.abstract_params)
+    tensors = _text_tensors(path)
+    _check_names(layout, tensors, path, cfg)
+    params: Params = {}
+    for t in layout:
+        view, target = tensors[t.name], _get(spec.abstract_params, t.path)
+        if tuple(view.shape) != t.shape:
+            raise _mismatch(path, cfg, f"tensor {t.name} has shape {tuple(view.shape)}, expected "
+                                       f"{t.shape}")
+        view = (view.T if t.transpose else view).reshape(target.shape)  # views, no copy
+        _set(params, t.path, jax.make_array_from_callback(
+            target.shape, _get(shardings, t.path),
+            lambda index, v=view, dt=target.dtype: np.array(v[index], dt, order="C")))
+    return params
+
+
+# ---------------------------------------------------------------------------- export
+
+_IGNORED_FIELDS = ("name", "checkpoint", "tokenizer", "dtype", "param_dtype", "attention",
+                   "init_std", "max_seq_len")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "tokenizer.model", "generation_config.json")
+
+
+def _number(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json for `cfg` in the classic form; ConfigError if its family cannot hold it."""
+    fam = FAMILIES[cfg.family]
+    hf: dict[str, Any] = {
+        "architectures": [fam.architecture], "model_type": fam.model_type,
+        "torch_dtype": cfg.param_dtype, "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, fam.act_key: _HF_ACTIVATIONS[cfg.activation],
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": cfg.max_seq_len, "rope_theta": _number(cfg.rope_theta),
+        "rope_scaling": _rope_scaling_dict(cfg)}
+    if fam.qkv_bias is None:
+        hf["attention_bias"] = False
+    if cfg.family in ("qwen2", "qwen3"):
+        hf["use_sliding_window"] = False
+    if fam.layer_types:
+        hf.update(query_pre_attn_scalar=_number(cfg.query_pre_attn_scalar or cfg.head_dim),
+                  sliding_window=cfg.sliding_window, attn_logit_softcapping=cfg.attn_softcap,
+                  final_logit_softcapping=cfg.final_softcap,
+                  layer_types=[FULL if cfg.is_global(i) else SLIDING for i in range(cfg.num_layers)])
+    if fam.local_rope:
+        hf["rope_local_base_freq"] = _number(cfg.rope_local_theta or cfg.rope_theta)
+    _check_expressible(cfg, hf)
+    return hf
+
+
+def _rope_scaling_dict(cfg: ModelConfig) -> dict[str, Any] | None:
+    if cfg.rope_scaling == "none":
+        return None
+    out: dict[str, Any] = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_scaling_factor}
+    if cfg.rope_scaling == "llama3":
+        out.update(low_freq_factor=cfg.rope_low_freq_factor,
+                   high_freq_factor=cfg.rope_high_freq_factor,
+                   original_max_position_embeddings=cfg.rope_original_max_len)
+    return out
+
+
+def _canonical(cfg: ModelConfig) -> dict[str, Any]:
+    """Architecture fields with equivalent settings written one way (e.g. None = head_dim)."""
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+           if f.name not in _IGNORED_FIELDS}
+    out["query_pre_attn_scalar"] = float(cfg.query_pre_attn_scalar or cfg.head_dim)
+    out["rope_local_theta"] = cfg.rope_local_theta or cfg.rope_theta
+    if all(cfg.is_global(i) for i in range(cfg.num_layers)):
+        out.update(sliding_window=None, global_every=1, rope_local_theta=cfg.rope_theta)
+    out["global_every"] = min(out["global_every"], cfg.num_layers + 1)
+    default = ModelConfig()
+    unused = {"none": ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                       "rope_original_max_len"),
+              "linear": ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"),
+              "llama3": ()}[cfg.rope_scaling]
+    out.update({k: getattr(default, k) for k in unused})
+    return out
+
+
+def _check_expressible(cfg: ModelConfig, hf: dict[str, Any]) -> None:
+    """Read the config back; any field that changed is one the family cannot represent."""
+    try:
+        back = _canonical(config_from_dict(hf, cfg, source="the exported config"))
+    except ConfigError as e:
+        raise ConfigError(f"model={cfg.name} cannot be exported as {cfg.family}: {e}") from None
+    wanted = _canonical(cfg)
+    diff = {k: (wanted[k], back[k]) for k in wanted if wanted[k] != back[k]}
+    if diff:
+        shown = ", ".join(f"{k}={a!r} (a {cfg.family} checkpoint holds {b!r})" for k, (a, b) in diff.items())
+        raise ConfigError(f"model={cfg.name} cannot be exported as model.family={cfg.family}: "
+                          f"{shown}; choose the family whose architecture has these features.")
+
+
+def _host(x: Any) -> np.ndarray:
+    """One parameter on the host; a multi-process array is gathered (a collective)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def _special_ids(tokenizer_dir: str | Path | None) -> dict[str, Any]:
+    """bos/eos/pad ids of the checkpoint the tokenizer came from (the family defaults are
+    Gemma's or Llama 2's, wrong for e.g. Llama 3 or Qwen)."""
+    file = Path(tokenizer_dir or "") / "config.json"
+    if tokenizer_dir is None or not file.is_file():
+        return {}
+    src = read_hf_config(file.parent)
+    return {k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src}
+
+
+def _copy_tokenizer(tokenizer_dir: str | Path, out: Path) -> None:
+    src = Path(tokenizer_dir)
+    files = [src / f for f in TOKENIZER_FILES if (src / f).is_file()]
+    if not any(f.name in ("tokenizer.json", "tokenizer.model") for f in files):
+        raise ConfigError(f"no tokenizer.json in {src}; pass the directory of the checkpoint "
+                          f"the model came from as tokenizer_dir.")
+    for f in files:
+        shutil.copyfile(f, out / f.name)
+
+
+def export_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
+              tokenizer_dir: str | Path | None = None) -> Path:
+    """Write `params` as a HF checkpoint (config.json, model.safetensors, tokenizer files).
+
+    Every process must call it (sharded arrays are gathered collectively); process 0 writes.
+    One tensor at a time is on the host.
+    """
+    out = Path(out_dir)
+    hf = {**hf_config_dict(cfg), **_special_ids(tokenizer_dir)}
+    layout = hf_layout(cfg)
+    _check_layout(layout, params)
+    writer = jax.process_index() == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+    entries = [(t.name, np.dtype(_get(params, t.path).dtype), t.shape) for t in layout]
+
+    def fetch(i: int) -> np.ndarray:
+        t = layout[i]
+        x = _host(_get(params, t.path))
+        return x.reshape(t.shape[::-1]).T if t.transpose else x.reshape(t.shape)
+
+    write_tensors(out / "model.safetensors" if writer else None, entries, fetch, {"format": "pt"})
+    if writer:
+        (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        if tokenizer_dir is not None:
+            _copy_tokenizer(tokenizer_dir, out)
+    return out
