@@ -98,7 +98,7 @@ def _explain(exc: BaseException, overrides: Sequence[str]) -> str:
             group, _, option = missing.rpartition("/")
             return (f"{group}={option} is not a known option"
                     + (f"; use one of: {', '.join(sorted(options))}." if options
-                       else f"; `gpurl train --help` lists the config groups."))
+                       else "; `gpurl train --help` lists the config groups."))
         if isinstance(e, OverrideParseException):
             return f"could not parse the override: {str(e).splitlines()[0]}; write it as key=value."
     return f"{str(exc).splitlines()[0]}; check the overrides {list(overrides)}."

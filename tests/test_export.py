@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from conftest import TINY_MODEL, make_config
-from gpurl.models import loading, model_spec
+from gpurl.models import model_spec
 from gpurl.models.tokenizer import load_tokenizer
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.loop import train

@@ -26,7 +26,8 @@ from gpurl.config import ConfigError, MeshConfig, ModelConfig
 from gpurl.distributed.mesh import trainer_mesh, tree_shardings
 from gpurl.models import model_spec
 from gpurl.models import safetensors_io as st
-from gpurl.models.hf import export_hf, load_hf_params, model_config_from_hf
+from gpurl.models.hf import load_hf_params, model_config_from_hf
+from gpurl.models.hf_export import export_hf
 
 B, T, LENGTHS = 2, 12, (12, 7)  # T > sliding window 4; row 1 is right-padded
 TOKENS = np.random.default_rng(0).integers(0, hf_models.VOCAB, (B, T))

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints: config.json -> ModelConfig, safetensors -> sharded params, export.
+"""Hugging Face checkpoints: config.json -> ModelConfig, safetensors -> sharded params (export: hf_export.py).
 
 Loading never holds a whole model on one device or on the host: every tensor stays a
 memory-mapped view (transposes and reshapes are views too), and
@@ -11,18 +11,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from gpurl.config import ConfigError, ModelConfig
 from gpurl.models import ModelSpec, Params
-from gpurl.models.safetensors_io import open_checkpoint, write_tensors
+from gpurl.models.safetensors_io import open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -383,141 +381,3 @@ def load_hf_params(path: str | Path, spec: ModelSpec, shardings: Params) -> Para
             target.shape, _get(shardings, t.path),
             lambda index, v=view, dt=target.dtype: np.array(v[index], dt, order="C")))
     return params
-
-
-# ---------------------------------------------------------------------------- export
-
-_IGNORED_FIELDS = ("name", "checkpoint", "tokenizer", "dtype", "param_dtype", "attention",
-                   "init_std", "max_seq_len")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "tokenizer.model", "generation_config.json")
-
-
-def _number(x: float) -> int | float:
-    return int(x) if float(x).is_integer() else float(x)
-
-
-def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json for `cfg` in the classic form; ConfigError if its family cannot hold it."""
-    fam = FAMILIES[cfg.family]
-    hf: dict[str, Any] = {
-        "architectures": [fam.architecture], "model_type": fam.model_type,
-        "torch_dtype": cfg.param_dtype, "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, fam.act_key: _HF_ACTIVATIONS[cfg.activation],
-        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "max_position_embeddings": cfg.max_seq_len, "rope_theta": _number(cfg.rope_theta),
-        "rope_scaling": _rope_scaling_dict(cfg)}
-    if fam.qkv_bias is None:
-        hf["attention_bias"] = False
-    if cfg.family in ("qwen2", "qwen3"):
-        hf["use_sliding_window"] = False
-    if fam.layer_types:
-        hf.update(query_pre_attn_scalar=_number(cfg.query_pre_attn_scalar or cfg.head_dim),
-                  sliding_window=cfg.sliding_window, attn_logit_softcapping=cfg.attn_softcap,
-                  final_logit_softcapping=cfg.final_softcap,
-                  layer_types=[FULL if cfg.is_global(i) else SLIDING for i in range(cfg.num_layers)])
-    if fam.local_rope:
-        hf["rope_local_base_freq"] = _number(cfg.rope_local_theta or cfg.rope_theta)
-    _check_expressible(cfg, hf)
-    return hf
-
-
-def _rope_scaling_dict(cfg: ModelConfig) -> dict[str, Any] | None:
-    if cfg.rope_scaling == "none":
-        return None
-    out: dict[str, Any] = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_scaling_factor}
-    if cfg.rope_scaling == "llama3":
-        out.update(low_freq_factor=cfg.rope_low_freq_factor,
-                   high_freq_factor=cfg.rope_high_freq_factor,
-                   original_max_position_embeddings=cfg.rope_original_max_len)
-    return out
-
-
-def _canonical(cfg: ModelConfig) -> dict[str, Any]:
-    """Architecture fields with equivalent settings written one way (e.g. None = head_dim)."""
-    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-           if f.name not in _IGNORED_FIELDS}
-    out["query_pre_attn_scalar"] = float(cfg.query_pre_attn_scalar or cfg.head_dim)
-    out["rope_local_theta"] = cfg.rope_local_theta or cfg.rope_theta
-    if all(cfg.is_global(i) for i in range(cfg.num_layers)):
-        out.update(sliding_window=None, global_every=1, rope_local_theta=cfg.rope_theta)
-    out["global_every"] = min(out["global_every"], cfg.num_layers + 1)
-    default = ModelConfig()
-    unused = {"none": ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                       "rope_original_max_len"),
-              "linear": ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"),
-              "llama3": ()}[cfg.rope_scaling]
-    out.update({k: getattr(default, k) for k in unused})
-    return out
-
-
-def _check_expressible(cfg: ModelConfig, hf: dict[str, Any]) -> None:
-    """Read the config back; any field that changed is one the family cannot represent."""
-    try:
-        back = _canonical(config_from_dict(hf, cfg, source="the exported config"))
-    except ConfigError as e:
-        raise ConfigError(f"model={cfg.name} cannot be exported as {cfg.family}: {e}") from None
-    wanted = _canonical(cfg)
-    diff = {k: (wanted[k], back[k]) for k in wanted if wanted[k] != back[k]}
-    if diff:
-        shown = ", ".join(f"{k}={a!r} (a {cfg.family} checkpoint holds {b!r})" for k, (a, b) in diff.items())
-        raise ConfigError(f"model={cfg.name} cannot be exported as model.family={cfg.family}: "
-                          f"{shown}; choose the family whose architecture has these features.")
-
-
-def _host(x: Any) -> np.ndarray:
-    """One parameter on the host; a multi-process array is gathered (a collective)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-
-
-def _special_ids(tokenizer_dir: str | Path | None) -> dict[str, Any]:
-    """bos/eos/pad ids of the checkpoint the tokenizer came from (the family defaults are
-    Gemma's or Llama 2's, wrong for e.g. Llama 3 or Qwen)."""
-    file = Path(tokenizer_dir or "") / "config.json"
-    if tokenizer_dir is None or not file.is_file():
-        return {}
-    src = read_hf_config(file.parent)
-    return {k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src}
-
-
-def _copy_tokenizer(tokenizer_dir: str | Path, out: Path) -> None:
-    src = Path(tokenizer_dir)
-    files = [src / f for f in TOKENIZER_FILES if (src / f).is_file()]
-    if not any(f.name in ("tokenizer.json", "tokenizer.model") for f in files):
-        raise ConfigError(f"no tokenizer.json in {src}; pass the directory of the checkpoint "
-                          f"the model came from as tokenizer_dir.")
-    for f in files:
-        shutil.copyfile(f, out / f.name)
-
-
-def export_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
-              tokenizer_dir: str | Path | None = None) -> Path:
-    """Write `params` as a HF checkpoint (config.json, model.safetensors, tokenizer files).
-
-    Every process must call it (sharded arrays are gathered collectively); process 0 writes.
-    One tensor at a time is on the host.
-    """
-    out = Path(out_dir)
-    hf = {**hf_config_dict(cfg), **_special_ids(tokenizer_dir)}
-    layout = hf_layout(cfg)
-    _check_layout(layout, params)
-    writer = jax.process_index() == 0
-    if writer:
-        out.mkdir(parents=True, exist_ok=True)
-    entries = [(t.name, np.dtype(_get(params, t.path).dtype), t.shape) for t in layout]
-
-    def fetch(i: int) -> np.ndarray:
-        t = layout[i]
-        x = _host(_get(params, t.path))
-        return x.reshape(t.shape[::-1]).T if t.transpose else x.reshape(t.shape)
-
-    write_tensors(out / "model.safetensors" if writer else None, entries, fetch, {"format": "pt"})
-    if writer:
-        (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        if tokenizer_dir is not None:
-            _copy_tokenizer(tokenizer_dir, out)
-    return out

@@ -21,7 +21,7 @@ from gpurl.train.step import placement
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
     """Writes config.json, model.safetensors and the tokenizer of `run_dir` into `out_dir`."""
-    from gpurl.models.hf import export_hf
+    from gpurl.models.hf_export import export_hf
 
     run = Path(run_dir)
     config_file = run / "config.yaml"
