@@ -32,3 +32,13 @@ TINY_MODEL = {"vocab_size": 259, "d_model": 32, "num_layers": 2, "num_heads": 4,
 @pytest.fixture
 def tiny_config():
     return make_config
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf():
+    """Path of the real Gemma 3 270M GGUF from the PyPI package (assembled once per session)."""
+    from pathlib import Path
+
+    from gpurl.models.gguf import default_gemma3_270m_path
+
+    return Path(default_gemma3_270m_path())

