@@ -213,10 +213,12 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass
     top_k: int = 0  # keep the k most likely tokens; 0 = all
+    stop: list[str] = field(default_factory=list)  # stop strings (besides EOS), e.g. ["\n"]
     # `async` is a Python keyword: the YAML key is `async`, the field `async_`.
     async_: bool = False  # overlap the next rollout with training (split placement)
 
     def __post_init__(self) -> None:
+        _tuplify(self)
         _positive("rollout.max_new_tokens", self.max_new_tokens)
         _positive("rollout.temperature", self.temperature, allow_zero=True)
         if not 0.0 < self.top_p <= 1.0:
@@ -231,10 +233,14 @@ class MeshConfig:
     tp: int = 1  # trainer tensor-parallel axis
     placement: str = "colocated"  # colocated (rollout and trainer share devices) or split
     rollout_devices: int = 0  # split placement: devices given to rollout
+    rollout_tp: int = 1  # rollout mesh tensor-parallel axis; its data axis takes the rest
     # logical axis -> mesh axes, for training; an axis missing here is replicated
     train_rules: dict[str, list[str]] = field(default_factory=lambda: {
         "batch": ["data", "fsdp"], "embed": ["fsdp"], "vocab": ["tp"], "mlp": ["tp"],
         "heads": ["tp"], "kv_heads": ["tp"]})
+    # logical axis -> rollout mesh axes (data, tp): parameters replicated over data
+    sample_rules: dict[str, list[str]] = field(default_factory=lambda: {
+        "batch": ["data"], "vocab": ["tp"], "mlp": ["tp"], "heads": ["tp"], "kv_heads": ["tp"]})
 
     def __post_init__(self) -> None:
         _tuplify(self)
@@ -245,10 +251,12 @@ class MeshConfig:
                 raise ConfigError(f"mesh.{key}={value} is not valid; use a positive size or -1 to fill.")
         if [self.data, self.fsdp, self.tp].count(-1) > 1:
             raise ConfigError("Only one of mesh.data, mesh.fsdp, mesh.tp may be -1; set the others.")
-        bad = {a for axes in self.train_rules.values() for a in axes} - {"data", "fsdp", "tp"}
-        if bad:
-            raise ConfigError(
-                f"mesh.train_rules names unknown mesh axes {sorted(bad)}; use data, fsdp or tp.")
+        _positive("mesh.rollout_tp", self.rollout_tp)
+        for key, axes in (("train_rules", {"data", "fsdp", "tp"}), ("sample_rules", {"data", "tp"})):
+            bad = {a for names in getattr(self, key).values() for a in names} - axes
+            if bad:
+                raise ConfigError(f"mesh.{key} names unknown mesh axes {sorted(bad)}; "
+                                  f"use {', '.join(sorted(axes))}.")
 
 
 @dataclass(frozen=True)

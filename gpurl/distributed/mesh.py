@@ -38,6 +38,16 @@ def trainer_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     return Mesh(np.asarray(devices).reshape(sizes), TRAIN_AXES)
 
 
+def rollout_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """(data, tp) mesh for generation: `mesh.rollout_tp` devices per model replica."""
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) % cfg.rollout_tp:
+        raise ConfigError(
+            f"mesh.rollout_tp={cfg.rollout_tp} does not divide the {len(devices)} rollout "
+            f"devices; choose a divisor of {len(devices)}.")
+    return Mesh(np.asarray(devices).reshape(-1, cfg.rollout_tp), ("data", "tp"))
+
+
 def logical_spec(axes: Sequence[str | None], shape: Sequence[int], rules: Rules,
                  mesh: Mesh) -> P:
     """PartitionSpec for one array; a mesh axis is used at most once per array."""

@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 
 from gpurl.config import ModelConfig
-from gpurl.models.transformer import Transformer, compute_dtype
+from gpurl.models.transformer import KVCache, Transformer, compute_dtype, init_cache
 
 Params = dict[str, Any]
 
@@ -31,6 +31,14 @@ class ModelSpec:
     def apply(self, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
               segments_BxT: jax.Array) -> jax.Array:
         return nnx.merge(self.graphdef, params)(tokens_BxT, positions_BxT, segments_BxT)
+
+    def hidden(self, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+               segments_BxT: jax.Array, cache: KVCache | None = None):
+        """Final-norm hidden states (and the cache with the new tokens appended)."""
+        return nnx.merge(self.graphdef, params).hidden(tokens_BxT, positions_BxT, segments_BxT, cache)
+
+    def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+        return nnx.merge(self.graphdef, params).logits(hidden)
 
     def init(self, seed: int) -> Params:
         """Random parameters (call under jit with out_shardings to create them sharded)."""
@@ -61,4 +69,5 @@ def count_params(params: Params) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
-__all__ = ["ModelSpec", "Params", "Transformer", "compute_dtype", "count_params", "model_spec"]
+__all__ = ["KVCache", "ModelSpec", "Params", "Transformer", "compute_dtype", "count_params",
+           "init_cache", "model_spec"]

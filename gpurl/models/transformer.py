@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,16 +119,26 @@ class Attention(nnx.Module):
             out = getattr(self, f"{name}_norm")(out)
         return out
 
-    def __call__(self, x_BxTxD: jax.Array, positions_BxT: jax.Array,
-                 segments_BxT: jax.Array) -> jax.Array:
+    def __call__(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
+                 cache: LayerCache | None = None) -> tuple[jax.Array, LayerCache | None]:
         inv_freq_F = jnp.asarray(rope_frequencies(*self.rope_key))
         q_BxTxHxE = rope(self._project(x_BxTxD, "q"), positions_BxT, inv_freq_F)
         k_BxTxKxE = rope(self._project(x_BxTxD, "k"), positions_BxT, inv_freq_F)
         v_BxTxKxE = self._project(x_BxTxD, "v")
-        mask = attention_mask(positions_BxT, positions_BxT, segments_BxT, segments_BxT, self.window)
-        out_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, mask, scale=self.scale,
+        if cache is None:
+            keys, values, kv_pos, kv_seg = k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT
+        else:
+            # New keys/values go into slots [index, index + T) of the cache; the caller has
+            # already written those slots' positions and segment ids.
+            start = (0, cache.index, 0, 0)
+            keys = jax.lax.dynamic_update_slice(cache.k, k_BxTxKxE.astype(cache.k.dtype), start)
+            values = jax.lax.dynamic_update_slice(cache.v, v_BxTxKxE.astype(cache.v.dtype), start)
+            kv_pos, kv_seg = cache.positions, cache.segments
+            cache = cache.replace(k=keys, v=values)
+        mask = attention_mask(positions_BxT, kv_pos, segments_BxT, kv_seg, self.window)
+        out_BxTxHxE = attention(q_BxTxHxE, keys, values, mask, scale=self.scale,
                                 softcap=self.softcap, implementation=self.implementation)
-        return jnp.einsum("bthe,hed->btd", out_BxTxHxE, self.o[...].astype(x_BxTxD.dtype))
+        return jnp.einsum("bthe,hed->btd", out_BxTxHxE, self.o[...].astype(x_BxTxD.dtype)), cache
 
 
 class MLP(nnx.Module):
@@ -162,11 +173,11 @@ class Block(nnx.Module):
             self.post_mlp_norm = norm()
         self.post_norms = cfg.post_norms
 
-    def __call__(self, x_BxTxD, positions_BxT, segments_BxT):
-        h_BxTxD = self.attn(self.attn_norm(x_BxTxD), positions_BxT, segments_BxT)
+    def __call__(self, x_BxTxD, positions_BxT, segments_BxT, cache=None):
+        h_BxTxD, cache = self.attn(self.attn_norm(x_BxTxD), positions_BxT, segments_BxT, cache)
         x_BxTxD = x_BxTxD + (self.post_attn_norm(h_BxTxD) if self.post_norms else h_BxTxD)
         h_BxTxD = self.mlp(self.mlp_norm(x_BxTxD))
-        return x_BxTxD + (self.post_mlp_norm(h_BxTxD) if self.post_norms else h_BxTxD)
+        return x_BxTxD + (self.post_mlp_norm(h_BxTxD) if self.post_norms else h_BxTxD), cache
 
 
 class Transformer(nnx.Module):
@@ -187,19 +198,72 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                  segments_BxT: jax.Array) -> jax.Array:
-        table_VxD = self.embed[...].astype(self.dtype)
-        x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
+        hidden_BxTxD, _ = self.hidden(tokens_BxT, positions_BxT, segments_BxT)
+        return self.logits(hidden_BxTxD)
+
+    def hidden(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
+               cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+        """Final-norm hidden states; with a cache, the T new tokens are appended to it."""
+        x_BxTxD = jnp.take(self.embed[...].astype(self.dtype), tokens_BxT, axis=0)
         if self.cfg.scale_embeddings:
             # Gemma rounds the normalizer to the compute dtype before multiplying.
             x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.dtype)
-        for block in self.blocks:
-            x_BxTxD = block(x_BxTxD, positions_BxT, segments_BxT)
-        x_BxTxD = self.final_norm(x_BxTxD)
+        if cache is not None:
+            start = (0, cache.index)
+            cache = cache.replace(
+                positions=jax.lax.dynamic_update_slice(cache.positions, positions_BxT, start),
+                segments=jax.lax.dynamic_update_slice(cache.segments, segments_BxT, start))
+        new_k, new_v = [], []
+        for i, block in enumerate(self.blocks):
+            layer = None if cache is None else LayerCache(
+                cache.k[i], cache.v[i], cache.positions, cache.segments, cache.index)
+            x_BxTxD, layer = block(x_BxTxD, positions_BxT, segments_BxT, layer)
+            if layer is not None:
+                new_k.append(layer.k)
+                new_v.append(layer.v)
+        if cache is not None:
+            cache = cache.replace(k=tuple(new_k), v=tuple(new_v),
+                                  index=cache.index + tokens_BxT.shape[1])
+        return self.final_norm(x_BxTxD), cache
+
+    def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
+        """Output logits of final-norm hidden states (any leading shape)."""
         if self.cfg.tie_embeddings:
-            logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, table_VxD)
+            logits = jnp.einsum("...d,vd->...v", hidden_BxTxD, self.embed[...].astype(self.dtype))
         else:
-            logits_BxTxV = x_BxTxD @ self.lm_head[...].astype(self.dtype)
+            logits = hidden_BxTxD @ self.lm_head[...].astype(self.dtype)
         if self.cfg.final_softcap is not None:
             cap = self.cfg.final_softcap
-            logits_BxTxV = cap * jnp.tanh(logits_BxTxV.astype(jnp.float32) / cap)
-        return logits_BxTxV
+            logits = cap * jnp.tanh(logits.astype(jnp.float32) / cap)
+        return logits
+
+
+@flax.struct.dataclass
+class LayerCache:
+    k: jax.Array  # B x S x K x E
+    v: jax.Array  # B x S x K x E
+    positions: jax.Array  # B x S: position of the token in each slot
+    segments: jax.Array  # B x S: 0 = empty slot (masked out)
+    index: jax.Array  # int32: first slot the next tokens are written to
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer for S slots per row (sliding-window layers keep
+    all slots too; the attention mask restricts them to their window)."""
+
+    k: tuple[jax.Array, ...]  # per layer, B x S x K x E
+    v: tuple[jax.Array, ...]
+    positions: jax.Array  # B x S
+    segments: jax.Array  # B x S
+    index: jax.Array  # int32 scalar
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    dt = compute_dtype(cfg)
+    return KVCache(k=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)),
+                   v=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)),
+                   positions=jnp.zeros((batch, length), jnp.int32),
+                   segments=jnp.zeros((batch, length), jnp.int32),
+                   index=jnp.zeros((), jnp.int32))

@@ -1,0 +1,1 @@
+"""Generation: KV-cache sampler, sampling rules, host-side decoding of local rows."""

@@ -1,0 +1,168 @@
+"""Batched generation with a KV cache: one jitted call does the prefill and the decode loop.
+
+Prompts are right-padded to a length bucket and the batch to a batch bucket, so a long
+run compiles a bounded number of programs. Row b's tokens keep their true positions
+(RoPE, sliding windows); padded prompt slots carry segment 0 and are masked out. The
+loop stops when every row has stopped (EOS or a stop id) or at `max_new_tokens`.
+
+Log-probabilities are those of the distribution sampled from before top-k/top-p
+truncation: log_softmax(logits / temperature), or log_softmax(logits) when greedy;
+`gpurl.algorithms.common.token_logprobs` computes the same with the training forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from gpurl.config import ConfigError, RolloutConfig
+from gpurl.distributed.mesh import Rules, replicated, tree_shardings
+from gpurl.models import ModelSpec, Params, init_cache
+from gpurl.rollout.sampling import sample
+
+MIN_PROMPT_BUCKET = 16
+
+
+@flax.struct.dataclass
+class Rollout:
+    """Completions of a batch; every array is sharded over the rollout data axis."""
+
+    tokens: jax.Array  # B x N int32: sampled tokens, pad after the stop
+    lengths: jax.Array  # B int32: tokens generated, the stop token included
+    logprobs: jax.Array  # B x N float32: log-prob of each sampled token, 0 after the stop
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Next power of two >= max(n, minimum): O(log n) distinct shapes over a run."""
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+@dataclass(frozen=True)
+class _Static:
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    stop_ids: tuple[int, ...]
+    pad_id: int
+
+
+class Sampler:
+    """Generates completions for prompts on the rollout mesh (data, tp)."""
+
+    def __init__(self, spec: ModelSpec, cfg: RolloutConfig, mesh: Mesh, rules: Rules, *,
+                 stop_ids: Sequence[int], pad_id: int):
+        self.spec, self.cfg, self.mesh = spec, cfg, mesh
+        self.param_shardings = tree_shardings(spec.abstract_params, spec.logical_axes, rules, mesh)
+        self.rows = NamedSharding(mesh, P("data"))
+        self.stop_ids = tuple(sorted(set(stop_ids)))
+        self.pad_id = pad_id
+        self._fns: dict[_Static, object] = {}
+
+    def place(self, params: Params) -> Params:
+        """Parameters in the sampling layout (a no-op when they already are)."""
+        return jax.device_put(params, self.param_shardings)
+
+    def num_compiles(self) -> int:
+        return sum(fn._cache_size() for fn in self._fns.values())
+
+    def generate(self, params: Params, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
+                 max_new_tokens: int | None = None, temperature: float | None = None) -> Rollout:
+        """`prompts` and `seeds` are this process's rows; returns the global sharded rollout
+        (padding rows added for the batch bucket come last and should be ignored)."""
+        static = _Static(max_new_tokens or self.cfg.max_new_tokens,
+                         self.cfg.temperature if temperature is None else temperature,
+                         self.cfg.top_k, self.cfg.top_p, self.stop_ids, self.pad_id)
+        tokens, lengths, seeds_np = self._pad(prompts, seeds)
+        fn = self._fns.get(static) or self._fns.setdefault(static, self._compile(static))
+        batch = [jax.make_array_from_process_local_data(self.rows, x)
+                 for x in (tokens, lengths, seeds_np)]
+        return fn(self.place(params), *batch)
+
+    def _pad(self, prompts, seeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ConfigError("a prompt is empty; every prompt needs at least one token.")
+        longest = max(len(p) for p in prompts)
+        if jax.process_count() > 1:  # every process must pick the same shapes
+            from jax.experimental import multihost_utils
+
+            longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
+        data_per_process = max(self.mesh.shape["data"] // jax.process_count(), 1)
+        rows = math.ceil(bucket(len(prompts)) / data_per_process) * data_per_process
+        tokens = np.full((rows, bucket(longest, MIN_PROMPT_BUCKET)), self.pad_id, np.int32)
+        lengths = np.ones(rows, np.int32)  # padding rows: a one-token prompt
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+            lengths[i] = len(p)
+        seeds_np = np.zeros(rows, np.uint32)
+        seeds_np[:len(prompts)] = np.asarray(seeds, np.uint32)
+        return tokens, lengths, seeds_np
+
+    def _compile(self, static: _Static):
+        return jax.jit(lambda p, t, l, s: _generate(self.spec, static, self.rows, p, t, l, s),
+                       in_shardings=(self.param_shardings, self.rows, self.rows, self.rows),
+                       out_shardings=Rollout(self.rows, self.rows, self.rows))
+
+
+def _generate(spec: ModelSpec, static: _Static, rows: NamedSharding, params: Params,
+              prompt_BxP: jax.Array, prompt_len_B: jax.Array, seeds_B: jax.Array) -> Rollout:
+    b, p = prompt_BxP.shape
+    n = static.max_new_tokens
+    cache = init_cache(spec.cfg, b, p + n)
+    cache = jax.lax.with_sharding_constraint(cache, _cache_shardings(cache, rows))
+    positions_BxP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    segments_BxP = (positions_BxP < prompt_len_B[:, None]).astype(jnp.int32)
+    hidden_BxPxD, cache = spec.hidden(params, prompt_BxP, positions_BxP, segments_BxP, cache)
+    last_BxD = jnp.take_along_axis(hidden_BxPxD, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
+    keys_B = jax.vmap(jax.random.key)(seeds_B)
+    stop_S = jnp.asarray(static.stop_ids or (-1,), jnp.int32)
+
+    def pick(logits_BxV, t):
+        tok_B, lp_B = sample(logits_BxV, jax.vmap(jax.random.fold_in, (0, None))(keys_B, t),
+                             static.temperature, static.top_k, static.top_p)
+        return tok_B, lp_B
+
+    tok_B, lp_B = pick(spec.logits(params, last_BxD), 0)
+    out_tokens = jnp.full((b, n), static.pad_id, jnp.int32).at[:, 0].set(tok_B)
+    out_lp = jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp_B)
+    state = (cache, tok_B, jnp.int32(1), jnp.isin(tok_B, stop_S), jnp.ones(b, jnp.int32),
+             out_tokens, out_lp)
+
+    def cond(state):
+        _, _, t, done_B, *_ = state
+        return (t < n) & ~jnp.all(done_B)
+
+    def body(state):
+        cache, prev_B, t, done_B, length_B, out_tokens, out_lp = state
+        pos_Bx1 = (prompt_len_B + t - 1)[:, None]
+        hidden_Bx1xD, cache = spec.hidden(params, prev_B[:, None], pos_Bx1,
+                                          jnp.ones((b, 1), jnp.int32), cache)
+        tok_B, lp_B = pick(spec.logits(params, hidden_Bx1xD[:, 0]), t)
+        tok_B = jnp.where(done_B, static.pad_id, tok_B)
+        out_tokens = jax.lax.dynamic_update_slice(out_tokens, tok_B[:, None], (0, t))
+        out_lp = jax.lax.dynamic_update_slice(out_lp, jnp.where(done_B, 0.0, lp_B)[:, None], (0, t))
+        length_B = length_B + (~done_B).astype(jnp.int32)
+        done_B = done_B | jnp.isin(tok_B, stop_S)
+        return cache, tok_B, t + 1, done_B, length_B, out_tokens, out_lp
+
+    _, _, _, _, length_B, out_tokens, out_lp = jax.lax.while_loop(cond, body, state)
+    return Rollout(out_tokens, length_B, out_lp)
+
+
+def _cache_shardings(cache, rows: NamedSharding):
+    """Cache rows follow the batch; key/value heads split over tp when they divide."""
+    mesh = rows.mesh
+
+    def spec(x):
+        if x.ndim == 4 and x.shape[2] % mesh.shape["tp"] == 0:
+            return NamedSharding(mesh, P("data", None, "tp", None))
+        return NamedSharding(mesh, P("data", *([None] * (x.ndim - 1)))) if x.ndim else replicated(mesh)
+
+    return jax.tree.map(spec, cache)
