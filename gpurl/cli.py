@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import gpurl
-from gpurl.config import Config, ConfigError, from_dict, yaml_key
+from gpurl.config import Config, ConfigError, GenerateConfig, from_dict, yaml_key
 
 SUBCOMMANDS = {
     "train": "train with the composed config (resumes from run.dir)",
+    "generate": "generate [model=NAME] prompt=TEXT [n=4] (or prompts_file=F): print completions",
     "export": "export checkpoint=RUN_DIR out=DIR [step=N]: write an HF safetensors directory",
 }
 # Hydra's own flags: they print or configure, so they skip gpurl's pre-validation.
@@ -53,29 +54,45 @@ def _schema(cls: type) -> Any:
     return DictConfig(content)
 
 
-def to_config(cfg: Any) -> Config:
-    """The one conversion: composed DictConfig -> frozen, validated `Config`."""
+def to_config(cfg: Any, cls: type = Config) -> Any:
+    """The one conversion: composed DictConfig -> frozen, validated `cls` (Config for train)."""
     from omegaconf import OmegaConf
 
-    return from_dict(OmegaConf.to_container(cfg, resolve=True))
+    return from_dict(OmegaConf.to_container(cfg, resolve=True), cls)
+
+
+@dataclasses.dataclass(frozen=True)
+class _App:
+    """A Hydra-composed subcommand: its name, root config file and schema."""
+
+    name: str
+    config_name: str
+    schema: type
+
+
+APPS = {"train": _App("train", "config", Config),
+        "generate": _App("generate", "generate", GenerateConfig)}
 
 
 def _register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="gpurl_schema", node=_schema(Config))
+    for app in APPS.values():
+        ConfigStore.instance().store(name=f"gpurl_{app.config_name}_schema", node=_schema(app.schema))
 
 
 # ---------------------------------------------------------------- clear errors
 
-def _known_keys() -> list[str]:
+def _known_keys(schema: type) -> list[str]:
     from omegaconf import OmegaConf
 
-    container = OmegaConf.to_container(_schema(Config))
-    return [f"{group}.{key}" for group, sec in container.items() for key in sec]
+    keys = []
+    for group, sec in OmegaConf.to_container(_schema(schema)).items():
+        keys += [f"{group}.{key}" for key in sec] if isinstance(sec, dict) else [group]
+    return keys
 
 
-def _explain(exc: BaseException, overrides: Sequence[str]) -> str:
+def _explain(exc: BaseException, overrides: Sequence[str], app: _App) -> str:
     """One sentence for a Hydra/OmegaConf composition error."""
     from hydra.errors import MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
@@ -85,10 +102,10 @@ def _explain(exc: BaseException, overrides: Sequence[str]) -> str:
         chain.append(chain[-1].__cause__ or chain[-1].__context__)
     for e in chain:
         if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and getattr(e, "full_key", None):
-            guess = difflib.get_close_matches(e.full_key, _known_keys(), n=1)
+            guess = difflib.get_close_matches(e.full_key, _known_keys(app.schema), n=1)
             hint = f"did you mean '{guess[0]}'? " if guess else ""
             return (f"unknown config key '{e.full_key}'; {hint}"
-                    f"run `gpurl train --cfg job` to list every key.")
+                    f"run `gpurl {app.name} --cfg job` to list every key.")
         if isinstance(e, ValidationError) and getattr(e, "full_key", None):
             first = str(e).splitlines()[0]
             return f"bad value for '{e.full_key}': {first}; fix the value on the command line."
@@ -119,26 +136,27 @@ def _validation_sets(overrides: list[str]) -> list[list[str]]:
     return sets
 
 
-def validate(overrides: list[str]) -> Config:
+def validate(overrides: list[str], app: _App = APPS["train"]) -> Any:
     """Composes the config as Hydra will and converts it; raises ConfigError with one sentence."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     _register_schema()
-    user = [o for o in overrides if not o.startswith("hydra") and not o.startswith("-")]
+    user = [_quote_free_text(o) if app.name == "generate" else o for o in overrides
+            if not o.startswith("hydra") and not o.startswith("-")]
     try:
         sets = _validation_sets(user)
     except Exception as e:  # noqa: BLE001 - Hydra's parser raises several types
-        raise ConfigError(_explain(e, user)) from None
+        raise ConfigError(_explain(e, user, app)) from None
     cfg = None
     for values in sets:
         GlobalHydra.instance().clear()
         with initialize_config_dir(str(config_dir()), version_base="1.3", job_name="gpurl"):
             try:
-                composed = compose("config", overrides=values)
+                composed = compose(app.config_name, overrides=values)
             except Exception as e:  # noqa: BLE001
-                raise ConfigError(_explain(e, values)) from None
-            converted = to_config(composed)
+                raise ConfigError(_explain(e, values, app)) from None
+            converted = to_config(composed, app.schema)
             cfg = cfg or converted
     GlobalHydra.instance().clear()
     return cfg
@@ -162,17 +180,30 @@ def _train_job(cfg_node: Any) -> Any:
         _fail(str(e))
 
 
+def _generate_job(cfg_node: Any) -> None:
+    from gpurl.rollout.generate import generate
+
+    try:
+        generate(to_config(cfg_node, GenerateConfig))
+    except ConfigError as e:
+        _fail(str(e))
+
+
+JOBS = {"train": _train_job, "generate": _generate_job}
+
+
 def _fail(message: str) -> typing.NoReturn:
     print(f"gpurl: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
-def _run_hydra(subcommand: str, args: list[str], job) -> None:
+def _run_hydra(subcommand: str, args: list[str]) -> None:
     import hydra
 
     _register_schema()
     sys.argv = [f"gpurl {subcommand}", *args]
-    hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(job)()
+    hydra.main(config_path=str(config_dir()), config_name=APPS[subcommand].config_name,
+               version_base="1.3")(JOBS[subcommand])()
 
 
 def _key_values(args: list[str], required: tuple[str, ...], optional: tuple[str, ...],
@@ -205,6 +236,15 @@ def _export(args: list[str]) -> None:
     print(f"[gpurl] exported {values['checkpoint']} to {out}")
 
 
+def _quote_free_text(arg: str) -> str:
+    """`prompt=12 + 7 =` is free text, not Hydra grammar: pass it as one quoted string."""
+    key, sep, value = arg.partition("=")
+    if key != "prompt" or not sep or (value[:1] in "'\"" and value[-1:] == value[:1] and value):
+        return arg
+    escaped = value.replace("\\", "\\\\").replace("'", "\\'").replace("${", "\\${")
+    return f"prompt='{escaped}'"
+
+
 def _usage() -> str:
     lines = [f"usage: gpurl COMMAND [overrides]   (gpurl {gpurl.__version__})", "", "commands:"]
     lines += [f"  {name:<10} {text}" for name, text in SUBCOMMANDS.items()]
@@ -226,13 +266,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     if command == "export":
         _export(rest)
         return
+    if command == "generate":
+        rest = [_quote_free_text(a) for a in rest]
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     if not any(a.split("=")[0] in _HYDRA_INFO_FLAGS for a in rest):
         try:
-            validate([a for a in rest if a not in ("-m", "--multirun")])
+            validate([a for a in rest if a not in ("-m", "--multirun")], APPS[command])
         except ConfigError as e:
             _fail(str(e))
-    _run_hydra(command, rest, _train_job)
+    _run_hydra(command, rest)
 
 
 if __name__ == "__main__":

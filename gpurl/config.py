@@ -213,12 +213,17 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass
     top_k: int = 0  # keep the k most likely tokens; 0 = all
-    stop: list[str] = field(default_factory=list)  # stop strings (besides EOS), e.g. ["\n"]
+    stop: list[str] = field(default_factory=list)  # stop strings besides EOS; "\n" and "\t" mean newline and tab
     # `async` is a Python keyword: the YAML key is `async`, the field `async_`.
     async_: bool = False  # overlap the next rollout with training (split placement)
 
     def __post_init__(self) -> None:
         _tuplify(self)
+        # The command line passes backslash escapes literally; stop strings mean the characters.
+        object.__setattr__(self, "stop", tuple(
+            s.replace("\\n", "\n").replace("\\t", "\t") for s in self.stop))
+        if any(s == "" for s in self.stop):
+            raise ConfigError("rollout.stop holds an empty string; remove it or give the text to stop at.")
         _positive("rollout.max_new_tokens", self.max_new_tokens)
         _positive("rollout.temperature", self.temperature, allow_zero=True)
         if not 0.0 < self.top_p <= 1.0:
@@ -297,6 +302,27 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """`gpurl generate`: sample completions from a preset, a checkpoint or a run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    prompt: Optional[str] = None  # one prompt
+    prompts_file: Optional[str] = None  # jsonl rows with "prompt" (or "messages"), or plain text lines
+    n: int = 1  # completions per prompt
+    seed: int = 0  # sampling seed (row i of prompt j uses seed + j * n + i)
+    checkpoint: Optional[str] = None  # a gpurl run directory: its newest checkpoint and model config
+    chat_template: bool = False  # wrap each prompt in the tokenizer's chat template
+
+    def __post_init__(self) -> None:
+        _positive("n", self.n)
+        if (self.prompt is None) == (self.prompts_file is None):
+            raise ConfigError('give exactly one of prompt="..." or prompts_file=path.jsonl.')
 
 
 def to_dict(cfg: Any) -> Any:

@@ -10,19 +10,18 @@ from pathlib import Path
 
 import yaml
 
-from gpurl.config import ConfigError, MeshConfig, from_dict
+from gpurl.config import Config, ConfigError, MeshConfig, from_dict
 from gpurl.distributed.mesh import trainer_mesh
-from gpurl.models import model_spec
+from gpurl.models import Params, model_spec
 from gpurl.models.tokenizer import load_tokenizer, save_tokenizer
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.optim import make_optimizer
 from gpurl.train.step import placement
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
-    """Writes config.json, model.safetensors and the tokenizer of `run_dir` into `out_dir`."""
-    from gpurl.models.hf_export import export_hf
-
+def restore_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, Params]:
+    """A run's config and the parameters of its newest (or given) checkpoint, sharded over
+    every local device (never whole on one device)."""
     run = Path(run_dir)
     config_file = run / "config.yaml"
     if not config_file.is_file():
@@ -34,13 +33,20 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
         raise ConfigError(
             f"{run}/checkpoints has no checkpoint {'yet' if step is None else f'at step {step}'}; "
             f"available steps: {ckpt.all_steps() or 'none'}.")
-    # Parameters sharded over every local device: never whole on one device.
     mesh = trainer_mesh(MeshConfig(data=1, fsdp=-1))
     spec = model_spec(cfg.model)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     place = placement(spec, optimizer, mesh, cfg.mesh.train_rules)
     state, _ = ckpt.restore(step, place.abstract_state, place.state)
     ckpt.close()
-    out = export_hf(state.params, cfg.model, out_dir)
+    return cfg, state.params
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
+    """Writes config.json, model.safetensors and the tokenizer of `run_dir` into `out_dir`."""
+    from gpurl.models.hf_export import export_hf
+
+    cfg, params = restore_run(run_dir, step)
+    out = export_hf(params, cfg.model, out_dir)
     save_tokenizer(load_tokenizer(cfg.model), out)
     return Path(out)

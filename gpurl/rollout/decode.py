@@ -1,0 +1,58 @@
+"""Host side of generation: stop strings as token ids, and text of the rows this process
+addresses. Nothing here iterates or fetches an array the process cannot fully address."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from gpurl.models.tokenizer import Tokenizer
+from gpurl.rollout.sampler import Rollout
+
+
+@lru_cache(maxsize=8)
+def _token_texts(tokenizer: Tokenizer) -> tuple[str, ...]:
+    ids = [[i] for i in range(tokenizer.vocab_size)]
+    return tuple(tokenizer.tok.decode_batch(ids, skip_special_tokens=False))
+
+
+def stop_token_ids(tokenizer: Tokenizer, stop: Sequence[str]) -> list[int]:
+    """EOS plus every token whose text contains a stop string: the device stops on them;
+    `truncate` then cuts the text at the stop string itself."""
+    ids = {tokenizer.eos_id}
+    if stop:
+        ids |= {i for i, text in enumerate(_token_texts(tokenizer)) if any(s in text for s in stop)}
+    return sorted(ids)
+
+
+def truncate(text: str, stop: Sequence[str]) -> str:
+    """Text before the first stop string."""
+    cut = min((text.find(s) for s in stop if s in text), default=len(text))
+    return text[:cut]
+
+
+def local_rows(array: jax.Array) -> list[tuple[int, np.ndarray]]:
+    """(first global row, rows) of each distinct shard this process holds."""
+    seen: dict[int, np.ndarray] = {}
+    for shard in array.addressable_shards:
+        start = shard.index[0].start or 0
+        if start not in seen:  # tp replicas hold the same rows
+            seen[start] = np.asarray(shard.data)
+    return sorted(seen.items())
+
+
+def local_completions(rollout: Rollout, tokenizer: Tokenizer, stop: Sequence[str],
+                      num_rows: int) -> dict[int, tuple[str, int, float]]:
+    """{global row: (text, tokens, sum of logprobs)} for the real rows this process holds."""
+    lengths = dict(local_rows(rollout.lengths))
+    logprobs = dict(local_rows(rollout.logprobs))
+    out = {}
+    for start, tokens_RxN in local_rows(rollout.tokens):
+        for r, (row, length) in enumerate(zip(tokens_RxN, lengths[start])):
+            if start + r < num_rows:
+                text = truncate(tokenizer.decode(row[:length]), stop)
+                out[start + r] = (text, int(length), float(logprobs[start][r, :length].sum()))
+    return out
