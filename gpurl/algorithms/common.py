@@ -35,3 +35,86 @@ def token_logprobs(apply: Callable[..., jax.Array], params: Any, batch: Batch,
     logits_BxTxV = logits_BxTxV[:, :-1].astype(jnp.float32) / (temperature or 1.0)
     logp_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
     return jnp.take_along_axis(logp_BxTxV, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
+
+
+# ---------------------------------------------------------------- RL math shared by the
+# policy-gradient algorithms. Shapes: B sequences (= prompts x G), T completion tokens,
+# G completions per prompt. Masks are 1.0 on completion tokens.
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+ADVANTAGES = ("grpo", "drgrpo", "rloo")
+
+
+def kl_estimate(logp_BxT: jax.Array, ref_logp_BxT: jax.Array, kind: str) -> jax.Array:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020,
+    "Approximating KL Divergence"): with log r = ref_logp - logp,
+    k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r (unbiased, always >= 0)."""
+    log_r = ref_logp_BxT - logp_BxT
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r**2
+    if kind == "k3":
+        return jnp.exp(log_r) - 1.0 - log_r
+    raise ValueError(f"unknown KL estimator {kind!r}; use one of {KL_ESTIMATORS}")
+
+
+def aggregate(loss_BxT: jax.Array, mask_BxT: jax.Array, kind: str, num_tokens: jax.Array,
+              num_seqs: jax.Array, max_tokens: int) -> jax.Array:
+    """This micro-batch's share of the global loss; the normalizers are global counts.
+
+    token_mean: sum / tokens in the global batch (DAPO, Yu et al. 2025, eq. 8).
+    seq_mean_token_mean: mean over sequences of each sequence's token mean (GRPO, Shao
+    et al. 2024, eq. 3). seq_mean_token_sum: mean over sequences of token sums.
+    seq_mean_token_sum_norm: token sums / max_tokens, mean over sequences (Dr. GRPO, Liu
+    et al. 2025: a constant normalizer removes the length bias)."""
+    masked_BxT = loss_BxT * mask_BxT
+    if kind == "token_mean":
+        return masked_BxT.sum() / num_tokens
+    if kind == "seq_mean_token_mean":
+        return (masked_BxT.sum(-1) / jnp.maximum(mask_BxT.sum(-1), 1.0)).sum() / num_seqs
+    if kind == "seq_mean_token_sum":
+        return masked_BxT.sum() / num_seqs
+    if kind == "seq_mean_token_sum_norm":
+        return masked_BxT.sum() / (num_seqs * max_tokens)
+    raise ValueError(f"unknown loss aggregation {kind!r}; use one of {LOSS_AGGS}")
+
+
+def group_advantages(rewards_B: jax.Array, group: int, kind: str, eps: float = 1e-4) -> jax.Array:
+    """Advantages from rewards of G completions per prompt (rows grouped contiguously).
+
+    grpo: (r - mean) / (std + eps), std with Bessel's correction (Shao et al. 2024, sec. 4.1.2);
+    drgrpo: r - mean (Liu et al. 2025, no std normalization);
+    rloo: r - mean of the other G-1 rewards (Ahmadian et al. 2024, eq. 8)."""
+    r_PxG = rewards_B.reshape(-1, group).astype(jnp.float32)
+    mean_Px1 = r_PxG.mean(-1, keepdims=True)
+    if kind == "grpo":
+        std_Px1 = jnp.std(r_PxG, axis=-1, keepdims=True, ddof=1) if group > 1 else 0.0
+        adv_PxG = (r_PxG - mean_Px1) / (std_Px1 + eps)
+    elif kind == "drgrpo":
+        adv_PxG = r_PxG - mean_Px1
+    elif kind == "rloo":
+        adv_PxG = (r_PxG - mean_Px1) * group / max(group - 1, 1)
+    else:
+        raise ValueError(f"unknown advantage estimator {kind!r}; use one of {ADVANTAGES}")
+    return adv_PxG.reshape(-1)
+
+
+def clipped_objective(ratio: jax.Array, adv: jax.Array, eps_low: float, eps_high: float,
+                      dual_clip: float | None = None) -> jax.Array:
+    """Negated PPO clipped surrogate, -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
+    (Schulman et al. 2017, eq. 7; clip-higher: DAPO, Yu et al. 2025, eq. 10). With
+    `dual_clip` c > 1 the loss of negative advantages is bounded by -c A (Ye et al. 2020,
+    "Mastering Complex Control in MOBA Games", eq. 5)."""
+    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    if dual_clip is not None:
+        surrogate = jnp.where(adv < 0, jnp.maximum(surrogate, dual_clip * adv), surrogate)
+    return -surrogate
+
+
+def sequence_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
+    """GSPO's length-normalized sequence importance ratio (Zheng et al. 2025, eq. 7):
+    s_i = exp(mean over the sequence's tokens of (logp - old_logp)); B."""
+    diff_B = ((logp_BxT - old_logp_BxT) * mask_BxT).sum(-1)
+    return jnp.exp(diff_B / jnp.maximum(mask_BxT.sum(-1), 1.0))
