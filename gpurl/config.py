@@ -23,6 +23,11 @@ class ConfigError(ValueError):
 
 class AlgoName(str, enum.Enum):
     SFT = "sft"
+    GRPO = "grpo"
+    GSPO = "gspo"
+    DAPO = "dapo"
+    DRGRPO = "drgrpo"
+    RLOO = "rloo"
 
 
 class LoggerName(str, enum.Enum):
@@ -62,16 +67,57 @@ def _tuplify(obj: Any) -> None:
                 {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
 
 
+RL_ALGOS = ("grpo", "gspo", "dapo", "drgrpo", "rloo")
+
+
 @dataclass(frozen=True)
 class AlgoConfig:
-    name: str = "sft"  # algorithm: sft (RL algorithms arrive with their issues)
+    """The objective. Presets in configs/algo/ carry each paper's published values."""
+
+    name: str = "sft"  # sft, grpo, gspo, dapo, drgrpo, rloo
     label_smoothing: float = 0.0  # SFT: cross-entropy label smoothing in [0, 1)
+    num_generations: int = 8  # RL: completions G sampled per prompt
+    beta: float = 0.0  # KL coefficient to the frozen reference; 0 = no reference forward pass
+    kl_estimator: str = "k3"  # k1, k2 or k3 (Schulman 2020)
+    kl_in_reward: bool = False  # subtract beta * KL from the reward instead of adding it to the loss
+    epsilon: float = 0.2  # ratio clip: lower bound 1 - epsilon
+    epsilon_high: Optional[float] = None  # clip-higher upper bound 1 + epsilon_high; null = epsilon
+    dual_clip: Optional[float] = None  # bound the loss of negative advantages at -c*A (c > 1); null = off
+    loss_agg: str = "seq_mean_token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm
+    advantage: str = "grpo"  # grpo (mean/std), drgrpo (mean only), rloo (leave-one-out)
+    adv_eps: float = 1e-4  # added to the group std (grpo advantages)
+    importance: str = "token"  # token ratios (GRPO/PPO), sequence (GSPO) or sequence_token (GSPO-token)
+    num_iterations: int = 1  # optimizer passes over each batch; > 1 uses the old log-probs
+    tis_cap: Optional[float] = None  # truncated importance sampling vs the sampler's log-probs; null = off
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill the batch
+    max_refills: int = 4  # dynamic sampling: extra rollout rounds per step at most
+    overlong_buffer: int = 0  # DAPO overlong shaping: penalty ramps over the last N tokens; 0 = off
+    overlong_penalty: float = 1.0  # DAPO overlong shaping: penalty at the length limit
 
     def __post_init__(self) -> None:
+        from gpurl.algorithms.common import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS
+
         _choice("algo.name", self.name, AlgoName)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(
                 f"algo.label_smoothing={self.label_smoothing} is not valid; use a value in [0, 1).")
+        _choice("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice("algo.loss_agg", self.loss_agg, LOSS_AGGS)
+        _choice("algo.advantage", self.advantage, ADVANTAGES)
+        _choice("algo.importance", self.importance, ("token", "sequence", "sequence_token"))
+        _positive("algo.beta", self.beta, allow_zero=True)
+        _positive("algo.epsilon", self.epsilon)
+        for key in ("num_iterations", "num_generations"):
+            _positive(f"algo.{key}", getattr(self, key))
+        if self.name in RL_ALGOS and self.num_generations < 2:
+            raise ConfigError(f"algo.num_generations={self.num_generations} gives no group to "
+                              f"compare; use at least 2.")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError(f"algo.dual_clip={self.dual_clip} must exceed 1; use e.g. 3 or null.")
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 FAMILIES = ("gemma", "gemma2", "gemma3", "llama", "qwen2", "qwen3")

@@ -88,3 +88,44 @@ def test_gspo_sequence_ratio():
     expected = [np.exp(np.sum((LOGP[i] - old[i]) * MASK[i]) / MASK[i].sum()) for i in range(B)]
     np.testing.assert_allclose(sequence_ratio(jnp.asarray(LOGP), jnp.asarray(old), jnp.asarray(MASK)),
                                expected, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the GRPO-family loss
+
+def _np_policy_loss(logp, old, ref, adv, mask, cfg):
+    """NumPy transcription: DeepSeekMath eq. 3 (token ratios, KL k3 in the loss), GSPO eq. 5-7
+    (sequence ratio), aggregation as configured."""
+    if cfg.importance == "sequence":
+        s = np.exp(((logp - old) * mask).sum(1) / mask.sum(1))
+        ratio = np.repeat(s[:, None], logp.shape[1], 1)
+    else:
+        ratio = np.exp(logp - old)
+    clipped = np.clip(ratio, 1 - cfg.epsilon, 1 + cfg.clip_high)
+    per_token = -np.minimum(ratio * adv[:, None], clipped * adv[:, None])
+    if cfg.beta:
+        r = np.exp(ref - logp)
+        per_token = per_token + cfg.beta * (r - np.log(r) - 1)
+    if cfg.loss_agg == "token_mean":
+        return (per_token * mask).sum() / mask.sum()
+    return np.mean((per_token * mask).sum(1) / mask.sum(1))
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(name="grpo", beta=0.04),
+    dict(name="gspo", importance="sequence", epsilon=3e-4, epsilon_high=4e-4),
+    dict(name="dapo", epsilon_high=0.28, loss_agg="token_mean"),
+])
+def test_policy_loss_matches_numpy(overrides):
+    from gpurl.algorithms.grpo import policy_loss
+    from gpurl.config import AlgoConfig
+
+    cfg = AlgoConfig(**overrides)
+    old = (LOGP + RNG.normal(0, 0.3, (B, T))).astype(np.float32)
+    adv = RNG.normal(size=B).astype(np.float32)
+    mask_full = np.concatenate([np.zeros((B, 1), np.float32), MASK], 1)  # aligned with targets
+    batch = {"loss_mask": jnp.asarray(mask_full), "advantages": jnp.asarray(adv),
+             "old_logprobs": jnp.asarray(old), "ref_logprobs": jnp.asarray(REF)}
+    norm = {"tokens": jnp.float32(MASK.sum()), "seqs": jnp.float32(B)}
+    loss, metrics = policy_loss(cfg, jnp.asarray(LOGP), batch, norm, max_tokens=T)
+    np.testing.assert_allclose(loss, _np_policy_loss(LOGP, old, REF, adv, MASK, cfg), rtol=1e-5)
+    assert 0 <= float(metrics["clip_fraction"]) <= 1
