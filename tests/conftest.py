@@ -10,7 +10,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses  # noqa: E402
-from typing import Any  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -37,8 +38,44 @@ def tiny_config():
 @pytest.fixture(scope="session")
 def gemma3_gguf():
     """Path of the real Gemma 3 270M GGUF from the PyPI package (assembled once per session)."""
-    from pathlib import Path
-
     from gpurl.models.gguf import default_gemma3_270m_path
 
     return Path(default_gemma3_270m_path())
+
+
+@pytest.fixture(scope="session")
+def one_gguf_parse(gemma3_gguf: Path) -> Iterator[None]:
+    """transformers parses the file with gguf-py's GGUFReader once for the tokenizer and twice
+    for the model, 12 s each on 2 cores; share one parse of the unchanged file. Only the
+    packaged file (fixed by its SHA-256) is shared, so files that tests write are read afresh."""
+    gguf = pytest.importorskip("gguf")
+    real, cache = gguf.GGUFReader, {}
+
+    def shared_reader(path: Any, *args: Any) -> Any:
+        key = (os.fspath(path),) + args
+        if key[0] != os.fspath(gemma3_gguf):
+            return real(path, *args)
+        if key not in cache:
+            cache[key] = real(path, *args)
+        return cache[key]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(gguf, "GGUFReader", shared_reader)
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_tokenizer(gemma3_gguf: Path, one_gguf_parse: None) -> Any:
+    """transformers' tokenizer rebuilt from the GGUF (the reference for gpurl's)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_model(gemma3_gguf: Path, one_gguf_parse: None) -> Any:
+    """transformers' float32 model from the GGUF, dequantized by its own loader (~40 s)."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32).eval()

@@ -3,15 +3,14 @@ metadata, logits; and the errors a user can cause with a wrong file.
 
 transformers is the independent reference: it parses the file, dequantizes and maps the
 tensors, and rebuilds the tokenizer with its own code. The file is read once per session;
-the transformers model and tokenizer are built once per module.
+the transformers model and tokenizer once per session (conftest.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -103,28 +102,8 @@ LONG_TEXT = (
 
 
 @pytest.fixture(scope="module")
-def one_gguf_parse() -> Iterator[None]:
-    """transformers parses the file with gguf-py's GGUFReader once for the tokenizer and twice
-    for the model, 12 s each on 2 cores; share one parse of the unchanged file."""
-    gguf = pytest.importorskip("gguf")
-    real, cache = gguf.GGUFReader, {}
-
-    def shared_reader(path: Any, *args: Any) -> Any:
-        key = (os.fspath(path),) + args
-        if key not in cache:
-            cache[key] = real(path, *args)
-        return cache[key]
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(gguf, "GGUFReader", shared_reader)
-    yield
-    patch.undo()
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(gemma3_gguf: Path, one_gguf_parse: None) -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+def hf_tokenizer(gemma3_hf_tokenizer: Any) -> Any:
+    return gemma3_hf_tokenizer  # conftest.py: shared with the other modules of the session
 
 
 @pytest.fixture(scope="module")
@@ -191,11 +170,8 @@ def gpurl_model(gemma3_gguf: Path) -> Loaded:
 
 
 @pytest.fixture(scope="module")
-def hf_model(gemma3_gguf: Path, one_gguf_parse: None) -> Any:
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32).eval()
+def hf_model(gemma3_hf_model: Any) -> Any:
+    return gemma3_hf_model  # conftest.py: shared with the other modules of the session
 
 
 def _long_prompt(tokenizer: Any) -> list[int]:

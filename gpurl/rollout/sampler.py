@@ -89,6 +89,8 @@ class Sampler:
     def _pad(self, prompts, seeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ConfigError("a prompt is empty; every prompt needs at least one token.")
+        if len(seeds) != len(prompts):
+            raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts; give one seed per prompt.")
         longest = max(len(p) for p in prompts)
         if jax.process_count() > 1:  # every process must pick the same shapes
             from jax.experimental import multihost_utils
