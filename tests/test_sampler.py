@@ -11,7 +11,6 @@ and one prompt bucket, so each sampler compiles one program.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
