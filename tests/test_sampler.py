@@ -326,7 +326,7 @@ def test_sampled_tokens_lie_in_allowed_set(gemma2: Tiny, setting: str) -> None:
     # Power: sampling without truncation would have kept every draw inside its set with
     # chance exp(log_all_in_set_untruncated); and the draws are not all the argmax.
     print(f"\n{setting}: log P(untruncated draws all in set) = {log_all_in_set_untruncated:.1f}")
-    assert log_all_in_set_untruncated < np.log(1e-6)
+    assert log_all_in_set_untruncated < np.log(1e-5)
     assert not_top1 >= 8, not_top1
 
 
