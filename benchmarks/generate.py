@@ -7,10 +7,11 @@ for transformers). Greedy and sampled (temperature 1, no top-k / top-p truncatio
 
 Timings are wall-clock from the host call until the tokens are on the host. Each
 (implementation, batch, mode) is warmed up first, apart from the timings: gpurl with a full
-call, which traces and compiles (its compile time is reported as that call's time minus the
-median), transformers with a 2-token call (nothing to compile). The repetitions are
-interleaved (gpurl and transformers alternate inside each one), so a machine shared with
-other work slows both alike and the ratio stays meaningful; the table reports medians.
+call, which traces and compiles (the compile time reported is what JAX itself records for
+tracing, lowering and XLA compilation), transformers with a 2-token call (nothing to
+compile). The repetitions are interleaved (gpurl and transformers alternate inside each
+one), so a machine shared with other work slows both alike and the ratio stays meaningful;
+the table reports medians, and the same from each cell's fastest call ("best").
 
     python benchmarks/generate.py --batches 1,8,32 --new-tokens 64 --repeats 3 --json out.json
 """
@@ -18,6 +19,7 @@ other work slows both alike and the ratio stays meaningful; the table reports me
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -27,7 +29,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -50,6 +52,24 @@ TEXT = (
 )
 
 
+class CompileTimer:
+    """Seconds JAX spends tracing, lowering and compiling, from its monitoring events."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self) -> None:
+        import jax.monitoring
+
+        self.total_s = 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, event: str, duration_s: float, **_: Any) -> None:
+        if event in self.EVENTS:
+            self.total_s += duration_s
+
+
 @dataclass
 class Cell:
     """Timings of one (implementation, mode, batch): seconds per call."""
@@ -58,6 +78,7 @@ class Cell:
     mode: str
     batch: int
     warmup_s: float = 0.0
+    compile_s: float = 0.0  # gpurl: JAX's trace + lower + compile time during the warm-up
     times_s: list[float] = field(default_factory=list)
 
     def median_s(self) -> float:
@@ -134,6 +155,27 @@ def gpurl_runner(path: str) -> Runner:
 # ----------------------------------------------------------------------- transformers
 
 
+@contextlib.contextmanager
+def shared_gguf_parse() -> Iterator[None]:
+    """transformers parses the GGUF with gguf-py's GGUFReader several times per load (about
+    12 s each on 2 cores, as tests/test_gguf.py notes); share one parse of the file."""
+    import gguf
+
+    real, parsed = gguf.GGUFReader, {}
+
+    def reader(path: Any, *args: Any) -> Any:
+        key = (os.fspath(path),) + args
+        if key not in parsed:
+            parsed[key] = real(path, *args)
+        return parsed[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def transformers_runner(path: str, threads: int) -> Runner:
     """Loads the same GGUF with transformers' own loader; returns run(prompts, temperature,
     seed, new_tokens)."""
@@ -141,9 +183,10 @@ def transformers_runner(path: str, threads: int) -> Runner:
     import transformers
 
     torch.set_num_threads(threads)
-    gguf = Path(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    file = Path(path)
+    with shared_gguf_parse():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            file.parent, gguf_file=file.name, dtype=torch.float32).eval()
     # generate() fills unset (None) options from the model's generation config, so EOS is
     # removed there; every row then runs to max_new_tokens, as in gpurl.
     model.generation_config.eos_token_id = None
@@ -180,10 +223,13 @@ def measure(runners: dict[str, Runner], prompts: dict[int, list[list[int]]],
             args: argparse.Namespace) -> list[Cell]:
     """Warm-up of every cell, then `repeats` interleaved rounds over all cells."""
     cells = [Cell(impl, mode, b) for b in args.batches for mode in args.modes for impl in runners]
+    compiles = CompileTimer()
     for cell in cells:
         n = WARMUP_TOKENS[cell.impl] or args.new_tokens
+        before = compiles.total_s
         cell.warmup_s = timed(
             lambda: runners[cell.impl](prompts[cell.batch], MODES[cell.mode], 0, n))
+        cell.compile_s = compiles.total_s - before
         print(f"warm-up {cell.impl:12s} {cell.mode:7s} B={cell.batch:<3d} {cell.warmup_s:7.2f} s",
               flush=True)
     for rep in range(args.repeats):
@@ -200,18 +246,17 @@ def table(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, Any]]:
     for b in args.batches:
         for mode in args.modes:
             row: dict[str, Any] = {"batch": b, "mode": mode}
-            for c in cells:
-                if (c.batch, c.mode) == (b, mode):
-                    row[f"{c.impl}_tok_s"] = round(c.tokens_per_s(args.new_tokens), 2)
-                    row[f"{c.impl}_best_tok_s"] = round(c.tokens_per_s(args.new_tokens, True), 2)
-                    row[f"{c.impl}_median_s"] = round(c.median_s(), 4)
-                    row[f"{c.impl}_warmup_s"] = round(c.warmup_s, 3)
+            for c in (c for c in cells if (c.batch, c.mode) == (b, mode)):
+                row[f"{c.impl}_tok_s"] = round(c.tokens_per_s(args.new_tokens), 2)
+                row[f"{c.impl}_best_tok_s"] = round(c.tokens_per_s(args.new_tokens, True), 2)
+                row[f"{c.impl}_median_s"] = round(c.median_s(), 4)
+                row[f"{c.impl}_warmup_s"] = round(c.warmup_s, 3)
+                if c.impl == "gpurl":
+                    row["gpurl_compile_s"] = round(c.compile_s, 2)
             if {"gpurl_tok_s", "transformers_tok_s"} <= row.keys():
                 row["ratio"] = round(row["gpurl_tok_s"] / row["transformers_tok_s"], 2)
-                row["ratio_best"] = round(row["gpurl_best_tok_s"] / row["transformers_best_tok_s"], 2)
-            # gpurl's first call traces and compiles; the rest of it is one normal call.
-            if "gpurl_warmup_s" in row:
-                row["gpurl_compile_s"] = round(row["gpurl_warmup_s"] - row["gpurl_median_s"], 2)
+                row["ratio_best"] = round(
+                    row["gpurl_best_tok_s"] / row["transformers_best_tok_s"], 2)
             rows.append(row)
     return rows
 
@@ -250,12 +295,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     path = default_gemma3_270m_path()
     tokenizer = tokenizer_from_gguf(path)
     prompts = {b: make_prompts(tokenizer, b, args.prompt_tokens) for b in args.batches}
-    runners = {}
+    runners, load_s = {}, {}
     if "gpurl" in args.impls:
-        runners["gpurl"] = gpurl_runner(path)
+        load_s["gpurl"] = timed(lambda: runners.update(gpurl=gpurl_runner(path)))
     if "transformers" in args.impls:
-        runners["transformers"] = transformers_runner(path, args.threads)
+        load_s["transformers"] = timed(
+            lambda: runners.update(transformers=transformers_runner(path, args.threads)))
+    print("model load s: " + ", ".join(f"{k} {v:.1f}" for k, v in load_s.items()), flush=True)
     env = environment(args)
+    env["load_s"] = {k: round(v, 1) for k, v in load_s.items()}
     start = time.perf_counter()
     cells = measure(runners, prompts, args)
     rows = table(cells, args)
