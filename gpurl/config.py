@@ -186,23 +186,52 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = "arithmetic"  # built-in task (arithmetic) or jsonl (+ data.path)
-    path: Optional[str] = None  # jsonl of {"prompt","completion"} or {"messages":[...]} rows
+    name: str = "arithmetic"  # source: arithmetic or countdown (generated), gsm8k or jsonl (+ data.path)
+    path: Optional[str] = None  # jsonl rows {"prompt"[,"completion"]} or {"messages"}; gsm8k rows {"question","answer"}
     eval_path: Optional[str] = None  # held-out jsonl; null = hold out data.num_eval rows of path
     max_len: int = 64  # tokens per row; longer examples are truncated (counted in the log)
     packing: bool = False  # pack several examples into one row (attention stays per example)
     chat_template: bool = False  # render prompt/completion through the tokenizer's chat template
     num_train: int = 2000  # generated tasks: training examples
-    num_eval: int = 200  # held-out examples (generated tasks and jsonl without eval_path)
-    seed: int = 1234  # seed of the generated task items and of the jsonl hold-out split
+    num_eval: int = 200  # held-out examples (generated tasks, and files without eval_path)
+    seed: int = 1234  # seed of the generated task items, the hold-out split and the few-shot set
+    few_shot: int = 0  # worked examples (one fixed set, never held out) prepended to every prompt
+    a_range: list[int] = field(default_factory=lambda: [0, 99])  # arithmetic: first operand in [lo, hi], inclusive
+    b_range: list[int] = field(default_factory=lambda: [0, 99])  # arithmetic: second operand in [lo, hi], inclusive
+    ops: list[str] = field(default_factory=lambda: ["+", "-"])  # arithmetic: any of +, -, * (a - b only when a >= b)
+    countdown_numbers: int = 3  # countdown: numbers given per problem (2 to 6)
+    countdown_max: int = 20  # countdown: numbers are drawn from 1..countdown_max
+    prompt_template: Optional[str] = None  # gsm8k: prompt with {question}; null = "Question: {question}\nAnswer:"
 
     def __post_init__(self) -> None:
-        _choice("data.name", self.name, ("arithmetic", "jsonl"))
-        if self.name == "jsonl" and not self.path:
-            raise ConfigError("data=jsonl needs a file; set data.path=/path/to/train.jsonl.")
+        _tuplify(self)
+        _choice("data.name", self.name, ("arithmetic", "countdown", "gsm8k", "jsonl"))
+        if self.name in ("jsonl", "gsm8k") and not self.path:
+            raise ConfigError(f"data={self.name} needs a file; set data.path=/path/to/train.jsonl.")
         _positive("data.max_len", self.max_len)
         _positive("data.num_train", self.num_train)
         _positive("data.num_eval", self.num_eval, allow_zero=True)
+        _positive("data.few_shot", self.few_shot, allow_zero=True)
+        if self.few_shot and self.name == "jsonl":
+            raise ConfigError("data.few_shot needs reference completions, which jsonl rows "
+                              "may lack; write the worked examples into the prompts and set "
+                              "data.few_shot=0.")
+        for key in ("a_range", "b_range"):
+            lo_hi = getattr(self, key)
+            if len(lo_hi) != 2 or not 0 <= lo_hi[0] <= lo_hi[1]:
+                raise ConfigError(f"data.{key}={list(lo_hi)} is not valid; give [lo, hi] "
+                                  f"with 0 <= lo <= hi.")
+        if not self.ops or not set(self.ops) <= {"+", "-", "*"}:
+            raise ConfigError(f"data.ops={list(self.ops)} is not valid; give a non-empty list "
+                              f"of +, - and *.")
+        if not 2 <= self.countdown_numbers <= 6:
+            raise ConfigError(f"data.countdown_numbers={self.countdown_numbers} is not valid; "
+                              f"use 2 to 6 numbers.")
+        _positive("data.countdown_max", self.countdown_max)
+        if self.prompt_template is not None and (
+                self.name != "gsm8k" or "{question}" not in self.prompt_template):
+            raise ConfigError(f"data.prompt_template={self.prompt_template!r} is not valid; it "
+                              f"applies to data=gsm8k and must contain {{question}}.")
 
 
 @dataclass(frozen=True)

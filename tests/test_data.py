@@ -104,6 +104,13 @@ def test_arithmetic_is_deterministic_correct_and_unique() -> None:
     assert TASKS["arithmetic"] is arithmetic
 
 
+def test_arithmetic_defaults_keep_the_original_items() -> None:
+    # Pinned from the task before it had ranges and ops: default runs see the same data.
+    assert [it["prompt"] for it in arithmetic(4, 1234)] == [
+        "56 - 46 =", "79 + 96 =", "3 + 74 =", "71 - 57 ="]
+    assert arithmetic(300, 1234, DataConfig(ops=["-", "+"])) == arithmetic(300, 1234)
+
+
 @pytest.mark.parametrize("num_train,num_eval", [(300, 40), (15_050, 100)])
 def test_task_split_has_no_overlap(num_train: int, num_eval: int) -> None:
     train, eval_ = load_examples(DataConfig(num_train=num_train, num_eval=num_eval, seed=5))

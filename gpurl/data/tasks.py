@@ -1,46 +1,133 @@
 """Built-in generated tasks with verifiable answers.
 
-Each task is `fn(num, seed) -> [{"prompt", "completion", "answer"}, ...]`: deterministic in
-`seed`, and prefix-stable in `num` (a larger `num` extends the list rather than changing it).
+Each task is `fn(num, seed, cfg) -> [{"prompt", "completion", "answer", ...}, ...]`:
+deterministic in `seed`, prefix-stable in `num` (a larger `num` extends the list rather than
+changing it), and shaped by its own fields of `cfg` (a DataConfig).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
-_MAX_OPERAND = 99
+from gpurl.config import ConfigError, DataConfig
+
+# Canonical operator order: the default ops ("+", "-") enumerate problems exactly as the
+# original fixed task did, whatever order a config lists them in.
+_OPS = ("+", "-", "*")
+_MAX_PROBLEMS = 10_000_000  # enumerating more (a, b) pairs than this would exhaust memory
 
 
-def _arithmetic_space() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """All (a, b, is_subtraction) items: a + b, and a - b with a >= b, for a, b in 0..99."""
-    a_P, b_P = np.meshgrid(np.arange(_MAX_OPERAND + 1), np.arange(_MAX_OPERAND + 1), indexing="ij")
+def _arithmetic_space(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All distinct (a, b, op) problems, op indexing _OPS; a - b only when a >= b."""
+    (a_lo, a_hi), (b_lo, b_hi) = cfg.a_range, cfg.b_range
+    if (a_hi - a_lo + 1) * (b_hi - b_lo + 1) > _MAX_PROBLEMS:
+        raise ConfigError(f"data.a_range={list(cfg.a_range)} and data.b_range="
+                          f"{list(cfg.b_range)} give over {_MAX_PROBLEMS:,} operand pairs; "
+                          f"narrow the ranges.")
+    a_P, b_P = np.meshgrid(np.arange(a_lo, a_hi + 1), np.arange(b_lo, b_hi + 1), indexing="ij")
     a_P, b_P = a_P.reshape(-1), b_P.reshape(-1)
-    nonneg_P = a_P >= b_P
-    a_S = np.concatenate([a_P, a_P[nonneg_P]])
-    b_S = np.concatenate([b_P, b_P[nonneg_P]])
-    sub_S = np.concatenate([np.zeros(a_P.size, bool), np.ones(int(nonneg_P.sum()), bool)])
-    return a_S, b_S, sub_S
+    every_P = np.ones(a_P.size, bool)
+    keep = {"+": every_P, "-": a_P >= b_P, "*": every_P}
+    chosen = [(i, keep[op]) for i, op in enumerate(_OPS) if op in cfg.ops]
+    a_S = np.concatenate([a_P[keep_P] for _, keep_P in chosen])
+    b_S = np.concatenate([b_P[keep_P] for _, keep_P in chosen])
+    op_S = np.concatenate([np.full(int(keep_P.sum()), i) for i, keep_P in chosen])
+    if not a_S.size:
+        raise ConfigError(f"data.ops={list(cfg.ops)} with data.a_range={list(cfg.a_range)} and "
+                          f"data.b_range={list(cfg.b_range)} gives no problem (a - b needs "
+                          f"a >= b); widen the ranges or add + to data.ops.")
+    return a_S, b_S, op_S
 
 
-def arithmetic(num: int, seed: int) -> list[dict]:
+def arithmetic(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict]:
     """`num` items like {"prompt": "12 + 7 =", "completion": " 19", "answer": "19"}.
 
-    The first 15,050 items (every distinct problem) are unique; beyond that items repeat.
-    No few-shot examples: the format is meant for a tiny model learning from scratch.
+    Operands come from `cfg.a_range` and `cfg.b_range`, operators from `cfg.ops`. The first
+    items, as many as there are distinct problems (15,050 by default), are unique; beyond
+    that items repeat.
     """
-    a_S, b_S, sub_S = _arithmetic_space()
+    a_S, b_S, op_S = _arithmetic_space(cfg)
     rng = np.random.default_rng(seed)
     pick_N = rng.permutation(a_S.size)[:num]
     if num > a_S.size:
         pick_N = np.concatenate([pick_N, rng.integers(0, a_S.size, num - a_S.size)])
-    a_N, b_N, sub_N = a_S[pick_N], b_S[pick_N], sub_S[pick_N]
-    result_N = np.where(sub_N, a_N - b_N, a_N + b_N)
+    a_N, b_N, op_N = a_S[pick_N], b_S[pick_N], op_S[pick_N]
+    result_N = np.choose(op_N, [a_N + b_N, a_N - b_N, a_N * b_N])
     return [
-        {"prompt": f"{a} {'-' if sub else '+'} {b} =", "completion": f" {r}", "answer": str(r)}
-        for a, b, sub, r in zip(a_N.tolist(), b_N.tolist(), sub_N.tolist(), result_N.tolist())
+        {"prompt": f"{a} {_OPS[op]} {b} =", "completion": f" {r}", "answer": str(r)}
+        for a, b, op, r in zip(a_N.tolist(), b_N.tolist(), op_N.tolist(), result_N.tolist())
     ]
 
 
-TASKS: dict[str, Callable[[int, int], list[dict]]] = {"arithmetic": arithmetic}
+class _Expr(NamedTuple):
+    text: str
+    value: int
+    precedence: int  # 1: + -, 2: * /, 3: a number
+
+
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+
+def _combine(left: _Expr, op: str, right: _Expr) -> _Expr:
+    """`left op right` with only the parentheses the arithmetic needs."""
+    p = _PRECEDENCE[op]
+    left_text = left.text if left.precedence >= p else f"({left.text})"
+    # a + (b - c) and a * (b / c) need none; a - (b + c) and a / (b * c) do.
+    bare_right = right.precedence > p or (right.precedence == p and op in "+*")
+    right_text = right.text if bare_right else f"({right.text})"
+    value = {"+": left.value + right.value, "-": left.value - right.value,
+             "*": left.value * right.value, "/": left.value // right.value}[op]
+    return _Expr(f"{left_text} {op} {right_text}", value, p)
+
+
+def _random_expression(numbers: list[int], rng: np.random.Generator) -> _Expr:
+    """Joins random pairs of the pool until one expression uses every number.
+
+    The larger operand goes first, so every intermediate value stays a positive integer:
+    `-` only when it leaves a positive result, `/` only when exact (and not by 1).
+    """
+    pool = [_Expr(str(n), n, 3) for n in numbers]
+    while len(pool) > 1:
+        i, j = sorted(rng.choice(len(pool), 2, replace=False).tolist())
+        right, left = pool.pop(j), pool.pop(i)
+        if left.value < right.value:
+            left, right = right, left
+        ops = ["+", "*"]
+        ops += ["-"] if left.value > right.value else []
+        ops += ["/"] if right.value > 1 and left.value % right.value == 0 else []
+        pool.append(_combine(left, ops[int(rng.integers(len(ops)))], right))
+    return pool[0]
+
+
+def countdown(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict]:
+    """`num` Countdown problems (the game TinyZero trains on): reach a target from
+    `cfg.countdown_numbers` numbers in 1..`cfg.countdown_max` with + - * /, using each
+    number at most once.
+
+    The target is the value of a random expression over all the numbers, so `solution`
+    always reaches it. Targets above max(1000, count * countdown_max) are drawn again (a
+    sum of all the numbers always fits). Items look like
+    {"prompt": "Using the numbers [3, 7, 12], make 33. You may use + - * / and each number
+    at most once. Answer with the expression.\\nExpression:", "completion": " 3 * 7 + 12",
+    "answer": "33", "numbers": [3, 7, 12], "solution": "3 * 7 + 12"}.
+    """
+    max_target = max(1000, cfg.countdown_numbers * cfg.countdown_max)
+    rng = np.random.default_rng(seed)
+    items = []
+    while len(items) < num:
+        numbers = rng.integers(1, cfg.countdown_max + 1, cfg.countdown_numbers).tolist()
+        solution = _random_expression(numbers, rng)
+        if solution.value > max_target:
+            continue
+        prompt = (f"Using the numbers {numbers}, make {solution.value}. You may use + - * / "
+                  f"and each number at most once. Answer with the expression.\nExpression:")
+        items.append({"prompt": prompt, "completion": f" {solution.text}",
+                      "answer": str(solution.value), "numbers": numbers,
+                      "solution": solution.text})
+    return items
+
+
+TASKS: dict[str, Callable[[int, int, DataConfig], list[dict]]] = {
+    "arithmetic": arithmetic, "countdown": countdown}

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import operator
 import re
+from collections import Counter
+from fractions import Fraction
 from typing import Any, Sequence
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -60,5 +64,55 @@ def length_penalty(prompts: Sequence[str], completions: Sequence[str], **_: Any)
     return [-len(c) / 1000.0 for c in completions]
 
 
+_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+               ast.Div: operator.truediv}
+_MAX_EXPRESSION_CHARS = 200  # longer lines score 0 before parsing: deep nesting costs memory
+
+
+def countdown(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any],
+              numbers: Sequence[Sequence[int]], **_: Any) -> list[float]:
+    """1.0 when the completion's first line is an expression equal to `answer` that uses
+    only `numbers`, each at most once, with + - * / and parentheses (no unary minus).
+
+    A trailing "= <answer>" is allowed. The line is parsed with `ast` and folded over exact
+    fractions: nothing in it is ever executed.
+    """
+    return [_countdown_score(c, a, n) for c, a, n in zip(completions, answer, numbers)]
+
+
+def _countdown_score(completion: str, target: Any, numbers: Sequence[int]) -> float:
+    expression, equals, claimed = completion.split("\n", 1)[0].partition("=")
+    used: list[int] = []
+    value = _fold_expression(expression, used)
+    want = _as_number(str(target))
+    overused = Counter(used) - Counter(int(n) for n in numbers)  # numbers not given, or reused
+    if value is None or want is None or overused:
+        return 0.0
+    if equals and _as_number(claimed) != want:
+        return 0.0
+    return float(value == Fraction(want))
+
+
+def _fold_expression(text: str, used: list[int]) -> Fraction | None:
+    """The exact value of an arithmetic expression over integers (appended to `used`);
+    None for anything else, division by zero included."""
+    if len(text) > _MAX_EXPRESSION_CHARS:
+        return None
+    try:
+        return _fold(ast.parse(text.strip(), mode="eval").body, used)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
+        return None
+
+
+def _fold(node: ast.AST, used: list[int]) -> Fraction:
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        return _ARITHMETIC[type(node.op)](_fold(node.left, used), _fold(node.right, used))
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        used.append(node.value)
+        return Fraction(node.value)
+    raise ValueError(f"{type(node).__name__} is not allowed in a countdown expression")
+
+
 BUILTIN = {"numeric_match": numeric_match, "first_number_match": first_number_match,
-           "boxed_format": boxed_format, "length_penalty": length_penalty}
+           "boxed_format": boxed_format, "length_penalty": length_penalty,
+           "countdown": countdown}
