@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import gpurl
-from gpurl.config import Config, ConfigError, GenerateConfig, from_dict, yaml_key
+from gpurl.config import Config, ConfigError, EvalConfig, GenerateConfig, from_dict, yaml_key
 
 SUBCOMMANDS = {
     "train": "train with the composed config (resumes from run.dir)",
     "generate": "generate [model=NAME] prompt=TEXT [n=4] (or prompts_file=F): print completions",
+    "eval": "eval [model=NAME] [data=NAME] [checkpoint=RUN_DIR]: held-out accuracy and pass@k",
     "export": "export checkpoint=RUN_DIR out=DIR [step=N]: write an HF safetensors directory",
 }
 # Hydra's own flags: they print or configure, so they skip gpurl's pre-validation.
@@ -71,7 +72,8 @@ class _App:
 
 
 APPS = {"train": _App("train", "config", Config),
-        "generate": _App("generate", "generate", GenerateConfig)}
+        "generate": _App("generate", "generate", GenerateConfig),
+        "eval": _App("eval", "eval", EvalConfig)}
 
 
 def _register_schema() -> None:
@@ -189,7 +191,16 @@ def _generate_job(cfg_node: Any) -> None:
         _fail(str(e))
 
 
-JOBS = {"train": _train_job, "generate": _generate_job}
+def _eval_job(cfg_node: Any) -> None:
+    from gpurl.train.evaluate import evaluate
+
+    try:
+        evaluate(to_config(cfg_node, EvalConfig))
+    except ConfigError as e:
+        _fail(str(e))
+
+
+JOBS = {"train": _train_job, "generate": _generate_job, "eval": _eval_job}
 
 
 def _fail(message: str) -> typing.NoReturn:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import keyword
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -245,6 +246,9 @@ class OptimConfig:
     b2: float = 0.999  # Adam beta2
     eps: float = 1e-8  # Adam epsilon
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0 = no clipping
+    # regexes over parameter paths like "embed/embedding" or "blocks/3/mlp/up": matching
+    # parameters are not trained (no gradient, no optimizer state); [] = train everything
+    freeze: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _positive("optim.lr", self.lr)
@@ -252,6 +256,13 @@ class OptimConfig:
         _choice("optim.decay", self.decay, ("cosine", "constant"))
         _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
         _positive("optim.max_grad_norm", self.max_grad_norm, allow_zero=True)
+        _tuplify(self)
+        for pattern in self.freeze:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"optim.freeze pattern {pattern!r} is not a valid regular "
+                                  f"expression ({e}); fix the pattern.") from None
 
 
 @dataclass(frozen=True)
@@ -265,11 +276,12 @@ class TrainConfig:
     checkpoint_every: int = 100  # save a checkpoint every N steps (and at the end); 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     log_every: int = 1  # write metrics every N steps
+    eval_pass_k: int = 4  # RL eval: samples per held-out prompt for pass@k (rollout temperature); 0 = greedy only
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "eval_batch_size", "keep_checkpoints", "log_every"):
             _positive(f"train.{key}", getattr(self, key))
-        for key in ("micro_batch_size", "eval_every", "checkpoint_every"):
+        for key in ("micro_batch_size", "eval_every", "checkpoint_every", "eval_pass_k"):
             _positive(f"train.{key}", getattr(self, key), allow_zero=True)
         micro = self.micro_batch_size or self.batch_size
         if self.batch_size % micro:
@@ -377,6 +389,17 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # RL reward functions: built-in names or "pkg.module:function"; [] = the data's default
+    # (arithmetic: first_number_match, countdown: countdown, gsm8k and jsonl: numeric_match).
+    # Eval accuracy counts a completion correct when the FIRST function gives it >= 1.
+    rewards: list[str] = field(default_factory=list)
+    reward_weights: list[float] = field(default_factory=list)  # one weight per reward; [] = all 1
+
+    def __post_init__(self) -> None:
+        _tuplify(self)
+        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
+            raise ConfigError(f"{len(self.rewards)} rewards but {len(self.reward_weights)} "
+                              f"reward_weights; give one weight per reward function.")
 
 
 @dataclass(frozen=True)
@@ -398,6 +421,32 @@ class GenerateConfig:
         _positive("n", self.n)
         if (self.prompt is None) == (self.prompts_file is None):
             raise ConfigError('give exactly one of prompt="..." or prompts_file=path.jsonl.')
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """`gpurl eval`: held-out greedy accuracy and pass@k of a preset, checkpoint or run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: Optional[str] = None  # a gpurl run directory: its newest checkpoint and model config
+    rewards: list[str] = field(default_factory=list)  # as in train; the first decides correctness
+    reward_weights: list[float] = field(default_factory=list)  # one weight per reward; [] = all 1
+    pass_k: int = 4  # samples per prompt for pass@k at rollout.temperature; 0 = greedy only
+    batch_size: int = 128  # rows (prompts x samples) per generation call
+    seed: int = 0  # sampling seed
+    out: Optional[str] = None  # also write the figures to this json file
+
+    def __post_init__(self) -> None:
+        _tuplify(self)
+        _positive("pass_k", self.pass_k, allow_zero=True)
+        _positive("batch_size", self.batch_size)
+        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
+            raise ConfigError(f"{len(self.rewards)} rewards but {len(self.reward_weights)} "
+                              f"reward_weights; give one weight per reward function.")
 
 
 def to_dict(cfg: Any) -> Any:

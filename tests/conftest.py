@@ -22,7 +22,9 @@ def make_config(**groups: dict[str, Any]) -> Config:
     """Config() with per-group field overrides: make_config(train={"steps": 3})."""
     cfg = Config()
     for group, values in groups.items():
-        cfg = dataclasses.replace(cfg, **{group: dataclasses.replace(getattr(cfg, group), **values)})
+        value = (dataclasses.replace(getattr(cfg, group), **values) if isinstance(values, dict)
+                 else values)  # top-level lists such as rewards
+        cfg = dataclasses.replace(cfg, **{group: value})
     return cfg
 
 

@@ -122,8 +122,7 @@ def test_policy_loss_matches_numpy(overrides):
     cfg = AlgoConfig(**overrides)
     old = (LOGP + RNG.normal(0, 0.3, (B, T))).astype(np.float32)
     adv = RNG.normal(size=B).astype(np.float32)
-    mask_full = np.concatenate([np.zeros((B, 1), np.float32), MASK], 1)  # aligned with targets
-    batch = {"loss_mask": jnp.asarray(mask_full), "advantages": jnp.asarray(adv),
+    batch = {"comp_mask": jnp.asarray(MASK), "advantages": jnp.asarray(adv),
              "old_logprobs": jnp.asarray(old), "ref_logprobs": jnp.asarray(REF)}
     norm = {"tokens": jnp.float32(MASK.sum()), "seqs": jnp.float32(B)}
     loss, metrics = policy_loss(cfg, jnp.asarray(LOGP), batch, norm, max_tokens=T)

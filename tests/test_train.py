@@ -31,7 +31,7 @@ def _pieces(cfg, devices):
     spec = model_spec(cfg.model)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     place = placement(spec, optimizer, mesh, cfg.mesh.train_rules)
-    return spec, algorithms.objective(cfg.algo), optimizer, place
+    return spec, algorithms.objective(cfg), optimizer, place
 
 
 @functools.cache

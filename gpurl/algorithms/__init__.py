@@ -1,19 +1,37 @@
-"""Algorithms as pure objectives over arrays, looked up by `algo.name`."""
+"""Algorithms as pure objectives over arrays, looked up by `algo.name`.
+
+GRPO, GSPO, DAPO, Dr. GRPO and RLOO are one objective (`grpo.grpo_objective`) whose
+terms are chosen by config; the presets in configs/algo/ set each paper's values.
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from gpurl.algorithms.common import Objective
+from gpurl.algorithms.grpo import grpo_objective
 from gpurl.algorithms.sft import sft_objective
-from gpurl.config import AlgoConfig, AlgoName, ConfigError
-
-OBJECTIVES: dict[AlgoName, Callable[[AlgoConfig], Objective]] = {AlgoName.SFT: sft_objective}
+from gpurl.config import RL_ALGOS, AlgoName, Config, ConfigError
 
 
-def objective(cfg: AlgoConfig) -> Objective:
+def _grpo(cfg: Config) -> Objective:
+    return grpo_objective(cfg.algo, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
+
+
+OBJECTIVES: dict[str, Callable[[Config], Objective]] = {
+    AlgoName.SFT.value: lambda cfg: sft_objective(cfg.algo),
+    **{name: _grpo for name in RL_ALGOS},
+}
+
+
+def is_rl(cfg: Config) -> bool:
+    """Whether the algorithm learns from sampled completions and rewards."""
+    return cfg.algo.name in RL_ALGOS
+
+
+def objective(cfg: Config) -> Objective:
     try:
-        return OBJECTIVES[AlgoName(cfg.name)](cfg)
-    except (KeyError, ValueError):
-        names = ", ".join(a.value for a in OBJECTIVES)
-        raise ConfigError(f"algo={cfg.name!r} is not available; use one of: {names}.") from None
+        return OBJECTIVES[cfg.algo.name](cfg)
+    except KeyError:
+        names = ", ".join(OBJECTIVES)
+        raise ConfigError(f"algo={cfg.algo.name!r} is not available; use one of: {names}.") from None

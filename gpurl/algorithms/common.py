@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 
 Batch = dict[str, jax.Array]
-# (apply, params, micro_batch, normalizer) -> (loss, metrics). The loss is this
+# (model spec, params, micro_batch, normalizer) -> (loss, metrics). The loss is this
 # micro-batch's share of the global-batch loss, so shares add up across micro-batches;
 # every metric must be additive the same way.
-LossFn = Callable[[Callable[..., jax.Array], Any, Batch, jax.Array], tuple[jax.Array, dict]]
+LossFn = Callable[[Any, Any, Batch, Any], tuple[jax.Array, dict]]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,25 @@ def token_logprobs(apply: Callable[..., jax.Array], params: Any, batch: Batch,
     logits_BxTxV = logits_BxTxV[:, :-1].astype(jnp.float32) / (temperature or 1.0)
     logp_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
     return jnp.take_along_axis(logp_BxTxV, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
+
+
+def completion_logprobs(spec: Any, params: Any, batch: Batch, temperature: float = 1.0,
+                        chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(log p, entropy) of the N completion tokens of each row, B x N fp32.
+
+    Row b's completion starts at token `completion_start[b]`; only the N hidden states that
+    predict completion tokens go through the vocabulary-sized head (prompt positions never
+    do), in chunks so that no B x N x V fp32 array is held (`gpurl.kernels.logprob`)."""
+    from gpurl.kernels.logprob import chunked_token_logprobs
+
+    hidden_BxSxD, _ = spec.hidden(params, batch["tokens"], batch["positions"], batch["segment_ids"])
+    n = batch["comp_mask"].shape[1]
+    last = batch["tokens"].shape[1] - 1
+    idx_BxN = batch["completion_start"][:, None] - 1 + jnp.arange(n, dtype=jnp.int32)[None]
+    hidden_BxNxD = jnp.take_along_axis(hidden_BxSxD, jnp.clip(idx_BxN, 0, last)[..., None], axis=1)
+    targets_BxN = jnp.take_along_axis(batch["tokens"], jnp.clip(idx_BxN + 1, 0, last), axis=1)
+    return chunked_token_logprobs(spec.logits, params, hidden_BxNxD, targets_BxN,
+                                  temperature or 1.0, chunk_size=chunk_size)
 
 
 # ---------------------------------------------------------------- RL math shared by the

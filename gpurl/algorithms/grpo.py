@@ -8,10 +8,11 @@ clip-higher, token-mean aggregation, dynamic sampling and overlong shaping; Dr. 
 (Liu et al. 2025) mean-only advantages and a constant normalizer; RLOO (Ahmadian et al.
 2024) leave-one-out advantages.
 
-Batch keys (B rows = prompts x G, T tokens): tokens, positions, segment_ids, loss_mask
-(1 on completion tokens, aligned with targets), advantages (B), and when needed
-old_logprobs (num_iterations > 1), ref_logprobs (beta > 0, KL in the loss) and
-sampler_logprobs (tis_cap), each B x T-1.
+Batch keys (B rows = prompts x G, S tokens, N completion slots): tokens, positions,
+segment_ids (B x S), completion_start (B: index of the first completion token),
+comp_mask (B x N: 1 on completion tokens that carry loss), advantages (B), and when
+needed old_logprobs (num_iterations > 1), ref_logprobs (beta > 0) and sampler_logprobs
+(tis_cap), each B x N.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from gpurl.algorithms.common import (Batch, Objective, aggregate, clipped_objective,
-                                     kl_estimate, sequence_ratio, token_logprobs)
+                                     completion_logprobs, kl_estimate, sequence_ratio)
 from gpurl.config import AlgoConfig
 
 
@@ -39,7 +40,7 @@ def _ratio(cfg: AlgoConfig, logp_BxT: jax.Array, old_BxT: jax.Array, mask_BxT: j
 def policy_loss(cfg: AlgoConfig, logp_BxT: jax.Array, batch: Batch, norm: dict,
                 max_tokens: int) -> tuple[jax.Array, dict]:
     """This micro-batch's share of the loss from policy log-probs (B x T-1)."""
-    mask_BxT = batch["loss_mask"][:, 1:]
+    mask_BxT = batch["comp_mask"]
     old_BxT = batch.get("old_logprobs", jax.lax.stop_gradient(logp_BxT))
     adv_Bx1 = batch["advantages"][:, None]
     ratio_BxT = _ratio(cfg, logp_BxT, old_BxT, mask_BxT)
@@ -62,12 +63,14 @@ def policy_loss(cfg: AlgoConfig, logp_BxT: jax.Array, batch: Batch, norm: dict,
 def grpo_objective(cfg: AlgoConfig, max_tokens: int, temperature: float = 1.0) -> Objective:
     """The objective the shared train step differentiates."""
     def normalizer(batch: Batch) -> dict:
-        mask_BxT = batch["loss_mask"][:, 1:]
-        return {"tokens": jnp.maximum(mask_BxT.sum(), 1.0),
-                "seqs": jnp.maximum((mask_BxT.sum(-1) > 0).sum(), 1).astype(jnp.float32)}
+        mask_BxN = batch["comp_mask"]
+        return {"tokens": jnp.maximum(mask_BxN.sum(), 1.0),
+                "seqs": jnp.maximum((mask_BxN.sum(-1) > 0).sum(), 1).astype(jnp.float32)}
 
-    def loss(apply: Any, params: Any, batch: Batch, norm: dict):
-        logp_BxT = token_logprobs(apply, params, batch, temperature)
-        return policy_loss(cfg, logp_BxT, batch, norm, max_tokens)
+    def loss(spec: Any, params: Any, batch: Batch, norm: dict):
+        logp_BxN, entropy_BxN = completion_logprobs(spec, params, batch, temperature)
+        loss, metrics = policy_loss(cfg, logp_BxN, batch, norm, max_tokens)
+        metrics["entropy"] = (entropy_BxN * batch["comp_mask"]).sum() / norm["tokens"]
+        return loss, metrics
 
     return Objective(loss=loss, normalizer=normalizer)

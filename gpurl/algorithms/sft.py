@@ -34,8 +34,8 @@ def sft_objective(cfg: AlgoConfig) -> Objective:
     def normalizer(batch: Batch) -> jax.Array:
         return jnp.maximum(shifted_targets(batch)[1].sum(), 1.0)
 
-    def loss(apply, params: Any, batch: Batch, norm: jax.Array):
-        logits_BxTxV = apply(params, batch["tokens"], batch["positions"], batch["segment_ids"])
+    def loss(spec, params: Any, batch: Batch, norm: jax.Array):
+        logits_BxTxV = spec.apply(params, batch["tokens"], batch["positions"], batch["segment_ids"])
         targets_BxT, mask_BxT = shifted_targets(batch)
         nll_BxT, correct_BxT = token_nll(logits_BxTxV[:, :-1], targets_BxT, cfg.label_smoothing)
         loss_sum = (nll_BxT * mask_BxT).sum()

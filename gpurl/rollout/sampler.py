@@ -73,20 +73,31 @@ class Sampler:
     def num_compiles(self) -> int:
         return sum(fn._cache_size() for fn in self._fns.values())
 
+    def padded_rows(self, num_local: int, bucket_rows: bool = True) -> int:
+        """Rows this process contributes for `num_local` prompts: the batch bucket rounded
+        up to a multiple of this process's data shards (padding rows come last)."""
+        data_per_process = max(self.mesh.shape["data"] // jax.process_count(), 1)
+        wanted = bucket(num_local) if bucket_rows else num_local
+        return math.ceil(wanted / data_per_process) * data_per_process
+
     def generate(self, params: Params, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
-                 max_new_tokens: int | None = None, temperature: float | None = None) -> Rollout:
+                 max_new_tokens: int | None = None, temperature: float | None = None,
+                 prompt_width: int | None = None, bucket_rows: bool = True) -> Rollout:
         """`prompts` and `seeds` are this process's rows; returns the global sharded rollout
-        (padding rows added for the batch bucket come last and should be ignored)."""
+        (padding rows, `padded_rows` in all, come last and should be ignored).
+        `prompt_width` fixes the padded prompt length (RL: one shape for the whole run);
+        `bucket_rows=False` keeps the row count (RL batches have a fixed size)."""
         static = _Static(max_new_tokens or self.cfg.max_new_tokens,
                          self.cfg.temperature if temperature is None else temperature,
                          self.cfg.top_k, self.cfg.top_p, self.stop_ids, self.pad_id)
-        tokens, lengths, seeds_np = self._pad(prompts, seeds)
+        tokens, lengths, seeds_np = self._pad(prompts, seeds, prompt_width, bucket_rows)
         fn = self._fns.get(static) or self._fns.setdefault(static, self._compile(static))
         batch = [jax.make_array_from_process_local_data(self.rows, x)
                  for x in (tokens, lengths, seeds_np)]
         return fn(self.place(params), *batch)
 
-    def _pad(self, prompts, seeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _pad(self, prompts, seeds, width: int | None, bucket_rows: bool
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ConfigError("a prompt is empty; every prompt needs at least one token.")
         if len(seeds) != len(prompts):
@@ -96,9 +107,12 @@ class Sampler:
             from jax.experimental import multihost_utils
 
             longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
-        data_per_process = max(self.mesh.shape["data"] // jax.process_count(), 1)
-        rows = math.ceil(bucket(len(prompts)) / data_per_process) * data_per_process
-        tokens = np.full((rows, bucket(longest, MIN_PROMPT_BUCKET)), self.pad_id, np.int32)
+        if width is not None and longest > width:
+            raise ConfigError(f"a prompt has {longest} tokens, more than the {width} allowed; "
+                              f"shorten the prompt or raise data.max_len.")
+        rows = self.padded_rows(len(prompts), bucket_rows)
+        width = width or bucket(longest, MIN_PROMPT_BUCKET)
+        tokens = np.full((rows, width), self.pad_id, np.int32)
         lengths = np.ones(rows, np.int32)  # padding rows: a one-token prompt
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p

@@ -111,12 +111,13 @@ class _Session:
     cfg: Config
     run_dir: Path
     place: Placement
-    train_rows: TokenRows
-    eval_rows: TokenRows | None
-    step_fn: Callable
-    eval_fn: Callable
+    # (state, step) -> (state, metrics): one optimizer step (SFT) or one RL step
+    advance: Callable[[Any, int], tuple[Any, dict]]
+    evaluate: Callable[[Any], dict[str, float]] | None  # params -> eval figures; None = no eval set
     schedule: Callable[[int], Any]
     ckpt: Checkpointer
+    describe: str  # data summary for the start-up line
+    eval_at_start: bool = False  # RL: held-out accuracy before training too
 
 
 class _PendingMetrics:
@@ -156,21 +157,53 @@ def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
     model_cfg = loading.resolve(cfg.model)
     cfg = dataclasses.replace(cfg, model=model_cfg)  # config.yaml records the real architecture
     tokenizer = load_tokenizer(model_cfg)
-    train_examples, eval_examples = load_examples(cfg.data)
     spec = model_spec(model_cfg)
-    objective = algorithms.objective(cfg.algo)
+    objective = algorithms.objective(cfg)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     place = placement(spec, optimizer, mesh, cfg.mesh.train_rules)
-    return _Session(
-        cfg=cfg, run_dir=run_dir, place=place,
-        train_rows=encode_sft(train_examples, tokenizer, cfg.data),
-        eval_rows=encode_sft(eval_examples, tokenizer, cfg.data) if eval_examples else None,
-        step_fn=make_train_step(spec, objective, optimizer, place, cfg.train.num_micro_batches),
-        eval_fn=make_eval_step(spec, objective, place),
-        schedule=lr_schedule(cfg.optim, cfg.train.steps),
-        ckpt=Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints),
-    ), make_init(spec, optimizer, place, cfg.train.seed,
-                 lambda: loading.load_params(model_cfg, spec, place.state.params))
+    step_fn = make_train_step(spec, objective, optimizer, place, cfg.train.num_micro_batches,
+                              cfg.optim.freeze)
+    init = make_init(spec, optimizer, place, cfg.train.seed,
+                     lambda: loading.load_params(model_cfg, spec, place.state.params))
+    common = dict(cfg=cfg, run_dir=run_dir, place=place, schedule=lr_schedule(cfg.optim, cfg.train.steps),
+                  ckpt=Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints))
+    if algorithms.is_rl(cfg):
+        return _Session(**common, **_rl_parts(cfg, spec, tokenizer, place, step_fn, init),
+                        eval_at_start=True), init
+    train_examples, eval_examples = load_examples(cfg.data)
+    train_rows = encode_sft(train_examples, tokenizer, cfg.data)
+    eval_rows = encode_sft(eval_examples, tokenizer, cfg.data) if eval_examples else None
+    eval_fn = make_eval_step(spec, objective, place)
+
+    def advance(state, step):
+        return step_fn(state, _to_global(place, _train_batch(cfg, train_rows, step)))
+
+    evaluate = None if eval_rows is None else (
+        lambda params: _evaluate(eval_fn, params, eval_rows, cfg, place))
+    return _Session(**common, advance=advance, evaluate=evaluate,
+                    describe=f"{len(train_rows)} train rows ({train_rows.num_truncated} truncated)"
+                    ), init
+
+
+def _rl_parts(cfg: Config, spec, tokenizer, place: Placement, step_fn, init) -> dict[str, Any]:
+    """The RL pieces of a session: prompts, sampler, reward scorer, reference model."""
+    from gpurl.data import default_rewards, load_prompts
+    from gpurl.train.rl import RLStepper, encode_prompts
+
+    train_rows, eval_rows = load_prompts(cfg.data)
+    limit = cfg.data.max_len
+    train, skipped = encode_prompts(train_rows, tokenizer, cfg.data.chat_template, limit, "train")
+    evals, eval_skipped = (encode_prompts(eval_rows, tokenizer, cfg.data.chat_template, limit, "eval")
+                           if eval_rows else (None, 0))
+    # The reference is the initial policy; it is rebuilt (not checkpointed) on resume.
+    ref = init().params if cfg.algo.beta > 0 else None
+    stepper = RLStepper(cfg, spec, tokenizer, place, train, evals,
+                        list(cfg.rewards) or default_rewards(cfg.data), step_fn, ref)
+    reward_names = ", ".join(r.name for r in stepper.rewards)
+    return dict(advance=stepper.step, evaluate=stepper.evaluate if evals else None,
+                describe=(f"{len(train)} train prompts, {len(evals) if evals else 0} eval prompts "
+                          f"({skipped + eval_skipped} longer than data.max_len skipped), "
+                          f"G={cfg.algo.num_generations}, rewards: {reward_names}"))
 
 
 def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, int, bool]:
@@ -183,29 +216,35 @@ def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, int, bool]:
     return state, int(meta["step"]), True
 
 
+def _run_eval(s: _Session, state: Any, step: int, sink: MetricsSink) -> dict[str, float]:
+    figures = s.evaluate(state.params)
+    sink.log(step, figures)
+    sink.message(f"[gpurl] step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in figures.items()))
+    return figures
+
+
 def _run_steps(s: _Session, state: Any, start: int, sink: MetricsSink) -> tuple[int, dict]:
     cfg = s.cfg.train
     stop, queue = _Stop(), _PendingMetrics(s, sink)
     last_eval: dict[str, float] = {}
     step = start
+    if s.evaluate is not None and s.eval_at_start and start == 0:
+        _run_eval(s, state, 0, sink)
+        queue.reset_clock()
     try:
         while step < cfg.steps and not stop.requested:
-            state, metrics_dev = s.step_fn(state, _to_global(s.place, _train_batch(s.cfg, s.train_rows, step)))
+            state, metrics_dev = s.advance(state, step)
             step += 1
             queue.push(step, metrics_dev)
             sink.advance()
             final = step == cfg.steps
-            if s.eval_rows is not None and (final or (cfg.eval_every and step % cfg.eval_every == 0)):
+            if s.evaluate is not None and (final or (cfg.eval_every and step % cfg.eval_every == 0)):
                 queue.flush()
-                last_eval = _evaluate(s.eval_fn, state.params, s.eval_rows, s.cfg, s.place)
-                sink.log(step, last_eval)
-                sink.message(f"[gpurl] step {step}: " + ", ".join(
-                    f"{k}={v:.4g}" for k, v in last_eval.items()))
+                last_eval = _run_eval(s, state, step, sink)
                 queue.reset_clock()
             if final or stop.requested or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 queue.flush()  # rows up to a checkpoint are on disk before it exists
-                s.ckpt.save(step, state, {"step": step, "examples_seen": step * cfg.batch_size,
-                                          "epoch": step * cfg.batch_size // len(s.train_rows)})
+                s.ckpt.save(step, state, {"step": step, "examples_seen": step * cfg.batch_size})
                 queue.reset_clock()
         queue.flush()
     finally:
@@ -213,6 +252,18 @@ def _run_steps(s: _Session, state: Any, start: int, sink: MetricsSink) -> tuple[
     if stop.requested and step < cfg.steps:
         sink.message(f"[gpurl] SIGTERM: saved a checkpoint at step {step}; rerun to resume.")
     return step, last_eval
+
+
+def _eval_at(run_dir: Path, step: int) -> dict[str, float]:
+    """The eval figures logged at `step` (from metrics.jsonl, so they survive a resume)."""
+    path = run_dir / "metrics.jsonl"
+    out: dict[str, float] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line else {}
+            if row.get("step") == step:
+                out.update({k: v for k, v in row.items() if k.startswith("eval/")})
+    return out
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -232,8 +283,7 @@ def train(cfg: Config) -> dict[str, Any]:
         _prepare_run_dir(s.run_dir, cfg, resumed, sink.message)
     sink.message(
         f"[gpurl] {cfg.algo.name} on {cfg.model.name} ({count_params(state.params):,} params), "
-        f"mesh {dict(s.place.mesh.shape)}, {len(s.train_rows)} train rows "
-        f"({s.train_rows.num_truncated} truncated), "
+        f"mesh {dict(s.place.mesh.shape)}, {s.describe}, "
         + (f"resuming from step {start}" if resumed else "starting at step 0")
         + f", run dir {s.run_dir}")
     try:
@@ -244,6 +294,12 @@ def train(cfg: Config) -> dict[str, Any]:
     if step < cfg.train.steps:
         raise SystemExit(143)
     summary = {"step": step, "finished": True, **last_eval}
+    before = _eval_at(s.run_dir, 0) if main and s.eval_at_start else {}
+    if before:
+        summary["start"] = before
+        sink_line = ", ".join(f"{k} {before[k]:.3f} -> {last_eval[k]:.3f}"
+                              for k in before if k in last_eval)
+        print(f"[gpurl] held-out, before -> after {step} steps: {sink_line}", flush=True)
     if main:
         (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from typing import Any, Sequence
+
 import jax
 import optax
 
@@ -26,11 +29,29 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+def param_path(path: Sequence[Any]) -> str:
+    """"blocks/3/mlp/up" for a key path of the parameter tree."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def trainable(params: Any, freeze: Sequence[str]) -> Any:
+    """Tree of bools: False for parameters whose path matches an `optim.freeze` regex."""
+    patterns = [re.compile(p) for p in freeze]
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(p.search(param_path(path)) for p in patterns), params)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW (Loshchilov & Hutter 2019, Algorithm 2) after clipping (Pascanu et al. 2013)."""
+    """AdamW (Loshchilov & Hutter 2019, Algorithm 2) after clipping (Pascanu et al. 2013).
+    Frozen parameters (`optim.freeze`) get no update and no optimizer state."""
     adamw = optax.adamw(
         lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
         weight_decay=cfg.weight_decay, mask=_decay_mask)
     if cfg.max_grad_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
-    return adamw
+        adamw = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+    if not cfg.freeze:
+        return adamw
+
+    def labels(params):
+        return jax.tree.map(lambda t: "train" if t else "frozen", trainable(params, cfg.freeze))
+    return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)

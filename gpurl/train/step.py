@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gpurl.algorithms.common import Batch, Objective
 from gpurl.distributed.mesh import Rules, batch_sharding, replicated, tree_shardings
 from gpurl.models import ModelSpec, Params
+from gpurl.train.optim import param_path, trainable
 
 
 @flax.struct.dataclass
@@ -51,17 +52,21 @@ def placement(spec: ModelSpec, optimizer: optax.GradientTransformation, mesh: Me
     """State shardings from `jax.eval_shape(init)`: optimizer moments follow their params."""
     abstract = jax.eval_shape(lambda: init_state(spec, optimizer, 0))
     param_sh = tree_shardings(abstract.params, spec.logical_axes, rules, mesh)
-    param_def = jax.tree.structure(abstract.params)
+    by_path = {param_path(path): (sh, x.shape) for (path, sh), x in zip(
+        jax.tree_util.tree_flatten_with_path(param_sh)[0], jax.tree.leaves(abstract.params))}
 
-    def is_param_tree(node: Any) -> bool:
-        return jax.tree.structure(node) == param_def
-
-    def follow(node: Any) -> Any:
-        # Adam's mu/nu mirror the params and take their shardings; counters are replicated.
-        return param_sh if is_param_tree(node) else replicated(mesh)
+    def follow(path, leaf) -> NamedSharding:
+        # Adam's mu/nu mirror the params (their paths end with a parameter's path) and take
+        # its sharding; counters and anything else are replicated.
+        keys = param_path(path).split("/")
+        for start in range(len(keys)):
+            sh, shape = by_path.get("/".join(keys[start:]), (None, None))
+            if sh is not None and shape == leaf.shape:
+                return sh
+        return replicated(mesh)
 
     state_sh = TrainState(step=replicated(mesh), params=param_sh,
-                          opt_state=jax.tree.map(follow, abstract.opt_state, is_leaf=is_param_tree),
+                          opt_state=jax.tree_util.tree_map_with_path(follow, abstract.opt_state),
                           rng=replicated(mesh))
     return Placement(mesh, state_sh, batch_sharding(mesh, rules), abstract)
 
@@ -78,28 +83,45 @@ def _split_micro(batch: Batch, num_micro: int, rows: NamedSharding) -> Batch:
 
 
 def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, num_micro: int,
-                     params: Params, batch: Batch) -> tuple[Params, dict]:
+                     params: Params, batch: Batch, trainable: Any = None) -> tuple[Params, dict]:
     """Gradient of the global-batch loss, summed over micro-batches in a `lax.scan`.
 
     Each micro-batch's loss is its share of the global loss (normalizer computed once on
-    the whole batch), so M micro-batches of B/M give the gradient of one batch of B."""
+    the whole batch), so M micro-batches of B/M give the gradient of one batch of B.
+    Parameters that `trainable` marks False are not differentiated (their gradient is 0):
+    a frozen tied embedding then costs no vocabulary-sized gradient matmul."""
     norm = objective.normalizer(batch)
-    grad_fn = jax.value_and_grad(objective.loss, argnums=1, has_aux=True)
+    if trainable is None:
+        trainable = jax.tree.map(lambda _: True, params)
+    is_none = lambda x: x is None  # noqa: E731
+    train_p = jax.tree.map(lambda p, t: p if t else None, params, trainable)
+    frozen_p = jax.tree.map(lambda p, t: None if t else p, params, trainable)
+    train_sh = jax.tree.map(lambda s, t: s if t else None, place.state.params, trainable)
+
+    def loss_of_trainable(train_p, micro: Batch):
+        full = jax.tree.map(lambda a, b: b if a is None else a, train_p, frozen_p, is_leaf=is_none)
+        return objective.loss(spec, full, micro, norm)
+
+    grad_fn = jax.value_and_grad(loss_of_trainable, has_aux=True)
 
     def body(grads_acc: Params, micro: Batch) -> tuple[Params, dict]:
-        (_, metrics), grads = grad_fn(spec.apply, params, micro, norm)
+        (_, metrics), grads = grad_fn(train_p, micro)
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
-        return jax.lax.with_sharding_constraint(grads_acc, place.state.params), metrics
+        return jax.lax.with_sharding_constraint(grads_acc, train_sh), metrics
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(jnp.zeros_like, train_p)
     grads, metrics_M = jax.lax.scan(body, zeros, _split_micro(batch, num_micro, place.batch))
+    grads = jax.tree.map(lambda g, p: jnp.zeros_like(p) if g is None else g, grads, params,
+                         is_leaf=is_none)
     return grads, jax.tree.map(lambda m: m.sum(0), metrics_M)
 
 
 def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.GradientTransformation,
-                    place: Placement, num_micro: int) -> Callable[[TrainState, Batch], tuple]:
+                    place: Placement, num_micro: int, freeze: tuple[str, ...] = ()
+                    ) -> Callable[[TrainState, Batch], tuple]:
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        grads, metrics = accumulate_grads(spec, objective, place, num_micro, state.params, batch)
+        grads, metrics = accumulate_grads(spec, objective, place, num_micro, state.params, batch,
+                                          trainable(state.params, freeze))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["update_norm"] = optax.tree.norm(updates)
@@ -115,7 +137,7 @@ def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.Grad
 def make_eval_step(spec: ModelSpec, objective: Objective, place: Placement) -> Callable:
     """Additive eval metrics of one batch (normalizer 1: the caller divides by the total)."""
     def step(params: Params, batch: Batch) -> dict:
-        _, metrics = objective.loss(spec.apply, params, batch, jnp.float32(1.0))
+        _, metrics = objective.loss(spec, params, batch, jnp.float32(1.0))
         return metrics
 
     return jax.jit(step, in_shardings=(place.state.params, place.batch),
