@@ -196,7 +196,7 @@ class DataConfig:
     num_train: int = 2000  # generated tasks: training examples
     num_eval: int = 200  # held-out examples (generated tasks, and files without eval_path)
     seed: int = 1234  # seed of the generated task items, the hold-out split and the few-shot set
-    few_shot: int = 0  # worked examples (one fixed set, never held out) prepended to every prompt
+    few_shot: int = 0  # worked examples prepended to every prompt (drawn per prompt from training rows)
     a_range: list[int] = field(default_factory=lambda: [0, 99])  # arithmetic: first operand in [lo, hi], inclusive
     b_range: list[int] = field(default_factory=lambda: [0, 99])  # arithmetic: second operand in [lo, hi], inclusive
     ops: list[str] = field(default_factory=lambda: ["+", "-"])  # arithmetic: any of +, -, * (a - b only when a >= b)

@@ -43,36 +43,35 @@ def test_arithmetic_ranges_and_ops() -> None:
 
 def test_addition_preset_matches_the_measured_format() -> None:
     train, eval_ = load_prompts(ADDITION)
-    assert len(eval_) == 100 and len(train) == 710 - 4  # the 4 worked examples leave train
+    assert len(eval_) == 100 and len(train) == 710
     queries = [row["prompt"].split("\n")[-1] for row in train + eval_]
-    assert len(set(queries)) == len(queries) == 806
+    assert len(set(queries)) == len(queries) == 810
     assert (train, eval_) == load_prompts(ADDITION)
     assert load_prompts(DataConfig(**{**vars(ADDITION), "seed": 1})) != (train, eval_)
-    lines = train[0]["prompt"].split("\n")
-    assert len(lines) == 5
-    for line in lines[:4]:
-        a, b, r = map(int, re.fullmatch(r"(\d\d) \+ (\d) = (\d+)", line).groups())
-        assert a + b == r
-    shots = "\n".join(lines[:4]) + "\n"
-    for row in train + eval_:  # one fixed set of worked examples, then the query line
-        assert row["prompt"].startswith(shots)
-        query = row["prompt"][len(shots):]
+    train_lines = {row["prompt"].split("\n")[-1] + row["completion"] for row in train}
+    prefixes = set()
+    for row in train + eval_:  # 4 worked lines drawn per prompt, then the query line
+        lines = row["prompt"].split("\n")
+        assert len(lines) == 5
+        for line in lines[:4]:
+            a, b, r = map(int, re.fullmatch(r"(\d\d) \+ (\d) = (\d+)", line).groups())
+            assert a + b == r
+            assert line in train_lines  # worked examples come from training rows only
+        assert lines[-1] + row["completion"] not in lines[:4]  # never the prompt's own answer
+        query = lines[-1]
         assert re.fullmatch(r"\d\d \+ \d =", query)
         assert row["answer"] == str(eval(query[:-2])) and row["completion"] == " " + row["answer"]
-    worked = {line.rpartition(" =")[0] + " =" for line in lines[:4]}
-    eval_queries = {row["prompt"][len(shots):] for row in eval_}
-    train_queries = {row["prompt"][len(shots):] for row in train}
-    assert not worked & eval_queries and not worked & train_queries
-    assert not train_queries & eval_queries
+        prefixes.add("\n".join(lines[:4]))
+    assert len(prefixes) > 700  # a different draw for (nearly) every prompt
+    assert not {q for q in queries[:710]} & {q for q in queries[710:]}
 
 
 def test_few_shot_does_not_move_items_or_split() -> None:
     cfg = dict(a_range=[0, 9], b_range=[0, 9], num_train=60, num_eval=20, seed=3)
     plain_train, plain_eval = load_prompts(DataConfig(**cfg))
     train, eval_ = load_prompts(DataConfig(**cfg, few_shot=2))
-    prefix = "\n".join(eval_[0]["prompt"].split("\n")[:2]) + "\n"
-    assert [prefix + r["prompt"] for r in plain_eval] == [r["prompt"] for r in eval_]
-    assert len(train) == len(plain_train) - 2
+    assert [r["prompt"] for r in plain_eval] == [r["prompt"].split("\n")[-1] for r in eval_]
+    assert [r["prompt"] for r in plain_train] == [r["prompt"].split("\n")[-1] for r in train]
 
 
 def test_eval_is_disjoint_when_problems_run_out() -> None:
@@ -214,7 +213,7 @@ def test_gsm8k_few_shot_blocks_are_blank_line_separated(tmp_path: Path) -> None:
     path = _jsonl(tmp_path / "gsm.jsonl", GSM_ROWS)
     train, eval_ = load_prompts(DataConfig(name="gsm8k", path=path, num_eval=3, few_shot=2))
     blocks = eval_[0]["prompt"].split("\n\n")
-    assert len(blocks) == 3 and blocks[-1].startswith("Question: ") and len(train) == 5
+    assert len(blocks) == 3 and blocks[-1].startswith("Question: ") and len(train) == 7
     assert all(b.startswith("Question: ") and "\n#### " in b for b in blocks[:2])
 
 

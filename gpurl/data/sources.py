@@ -64,28 +64,28 @@ def _load(cfg: DataConfig, need_completion: bool) -> tuple[list[dict], list[dict
 
 def _add_few_shot(cfg: DataConfig, train: list[dict],
                   eval_: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Prepends one fixed set of `cfg.few_shot` worked examples, drawn from the training
-    rows, to every prompt: "13 + 8 = 21\\n...\\n27 + 5 =". Examples spanning several lines
-    are separated by a blank line. Training rows equal to a worked example are dropped:
-    their answer would be in the prompt."""
+    """Prepends `cfg.few_shot` worked examples, drawn from the training rows, to every
+    prompt: "13 + 8 = 21\n...\n27 + 5 =". Each prompt gets its own draw (never itself,
+    never a held-out row): one fixed set would teach every prompt the same accidental
+    pattern (with "81 + 1 = 82" among the examples, Gemma 3 270M answers a + 1 to most
+    queries). Examples spanning several lines are separated by a blank line."""
     if not cfg.few_shot:
         return train, eval_
     distinct = list({row["prompt"]: row for row in train}.values())
     if cfg.few_shot >= len(distinct):
         raise ConfigError(f"data.few_shot={cfg.few_shot} needs more than {len(distinct)} "
                           f"distinct training prompts; lower data.few_shot or add rows.")
-    # A stream of its own, so the worked examples do not move the items or the split.
-    order = np.random.default_rng([cfg.seed, 1]).permutation(len(distinct))[:cfg.few_shot]
-    shots = [distinct[i] for i in order.tolist()]
-    lines = [shot["prompt"] + shot["completion"] for shot in shots]
+    lines = [row["prompt"] + row["completion"] for row in distinct]
     sep = "\n\n" if any("\n" in line for line in lines) else "\n"
-    prefix = sep.join(lines) + sep
-    shown = {shot["prompt"] for shot in shots}
+    # A stream of its own, so the worked examples do not move the items or the split.
+    rng = np.random.default_rng([cfg.seed, 1])
 
-    def with_prefix(rows: list[dict]) -> list[dict]:
-        return [{**row, "prompt": prefix + row["prompt"]} for row in rows]
+    def with_prefix(row: dict) -> dict:
+        picks = [i for i in rng.choice(len(distinct), cfg.few_shot + 1, replace=False).tolist()
+                 if distinct[i]["prompt"] != row["prompt"]][:cfg.few_shot]
+        return {**row, "prompt": sep.join(lines[i] for i in picks) + sep + row["prompt"]}
 
-    return with_prefix([row for row in train if row["prompt"] not in shown]), with_prefix(eval_)
+    return [with_prefix(row) for row in train], [with_prefix(row) for row in eval_]
 
 
 def _task_rows(cfg: DataConfig, need_completion: bool) -> tuple[list[dict], list[dict]]:
