@@ -41,24 +41,79 @@ def test_dynamic_sampling_drops_groups_with_equal_rewards():
     assert keep.tolist() == [0, 1, 2, 3] and drop.tolist() == []
 
 
-def test_sequences_put_each_completion_right_after_its_prompt():
+def test_batch_is_grouped_by_prompt():
     pad = 0
-    fake = SimpleNamespace(tokenizer=SimpleNamespace(pad_id=pad))
-    prompt_BxP = jnp.asarray([[5, 6, 7, pad], [8, 9, pad, pad], [3, pad, pad, pad]])
-    plen_B = jnp.asarray([3, 2, 1])
-    comp_BxN = jnp.asarray([[11, 12, pad], [13, pad, pad], [14, 15, 16]])
-    clen_B = jnp.asarray([2, 1, 3])
-    clp_BxN = jnp.asarray([[-1.0, -2.0, 0.0], [-3.0, 0.0, 0.0], [-4.0, -5.0, -6.0]])
-    select_K = jnp.asarray([2, 0])  # rows in a new order
-    keep_K = jnp.asarray([True, False])
-    out = RLStepper._assemble_fn(fake, [(prompt_BxP, plen_B, comp_BxN, clen_B, clp_BxN)],
+    fake = SimpleNamespace(tokenizer=SimpleNamespace(pad_id=pad), group=2)
+    prompt_BxW = jnp.asarray([[5, 6, 7, pad], [5, 6, 7, pad], [3, pad, pad, pad], [3, pad, pad, pad]])
+    plen_B = jnp.asarray([3, 3, 1, 1])
+    comp_BxN = jnp.asarray([[11, 12, 99], [13, pad, pad], [14, 15, 16], [17, 18, pad]])
+    clen_B = jnp.asarray([2, 1, 3, 2])
+    clp_BxN = jnp.asarray([[-1.0, -2.0, -9.0], [-3.0, 0.0, 0.0], [-4.0, -5.0, -6.0],
+                           [-7.0, -8.0, 0.0]])
+    select_K = jnp.asarray([2, 3, 0, 1])  # groups in a new order, each kept whole
+    keep_K = jnp.asarray([True, True, False, False])
+    out = RLStepper._assemble_fn(fake, [(prompt_BxW, plen_B, comp_BxN, clen_B, clp_BxN)],
                                  select_K, keep_K)
-    np.testing.assert_array_equal(out["tokens"], [[3, 14, 15, 16, 0, 0, 0],
-                                                  [5, 6, 7, 11, 12, 0, 0]])
-    np.testing.assert_array_equal(out["segment_ids"], [[1, 1, 1, 1, 0, 0, 0],
-                                                       [1, 1, 1, 1, 1, 0, 0]])
-    np.testing.assert_array_equal(out["positions"][1], np.arange(7))
-    np.testing.assert_array_equal(out["completion_start"], [1, 3])
+    np.testing.assert_array_equal(out["prompt_tokens"], [[3, 0, 0, 0], [5, 6, 7, 0]])
+    np.testing.assert_array_equal(out["prompt_lengths"], [1, 3])
+    # Tokens after a completion's end (99: sampled past the stop) become padding.
+    np.testing.assert_array_equal(out["completions"], [[[14, 15, 16], [17, 18, 0]],
+                                                       [[11, 12, 0], [13, 0, 0]]])
+    np.testing.assert_array_equal(out["completion_lengths"], [[3, 2], [2, 1]])
     # Loss on real completion tokens only, and none on a filler group (keep False).
-    np.testing.assert_array_equal(out["comp_mask"], [[1, 1, 1], [0, 0, 0]])
-    np.testing.assert_allclose(out["sampler_logprobs"], [[-4, -5, -6], [-1, -2, 0]])
+    np.testing.assert_array_equal(out["comp_mask"], [[[1, 1, 1], [1, 1, 0]],
+                                                     [[0, 0, 0], [0, 0, 0]]])
+    np.testing.assert_allclose(out["sampler_logprobs"][1], [[-1, -2, 0], [-3, 0, 0]])
+
+
+def test_group_logprobs_equal_full_sequence_logprobs_and_gradients():
+    """Sharing each prompt's forward pass across its G completions changes nothing: values
+    and parameter gradients equal the plain forward pass over prompt + completion."""
+    import jax
+
+    from conftest import TINY_MODEL, make_config
+    from gpurl.algorithms.common import group_logprobs, token_logprobs
+    from gpurl.models import model_spec
+
+    spec = model_spec(make_config(model=TINY_MODEL).model)
+    params = spec.init(0)
+    rng = np.random.default_rng(0)
+    p, g, n, w = 2, 3, 4, 8
+    plen = np.asarray([3, 5])
+    clen = np.asarray([[4, 2, 1], [3, 4, 2]])
+    prompts = np.zeros((p, w), np.int32)
+    for i in range(p):
+        prompts[i, :plen[i]] = rng.integers(1, 250, plen[i])
+    comps = rng.integers(1, 250, (p, g, n)).astype(np.int32)
+    comps = np.where(np.arange(n) < clen[..., None], comps, 0)
+    mask = (np.arange(n) < clen[..., None]).astype(np.float32)
+    weights = rng.normal(size=(p, g, n)).astype(np.float32) * mask
+    grouped = {"prompt_tokens": jnp.asarray(prompts), "prompt_lengths": jnp.asarray(plen),
+               "completions": jnp.asarray(comps), "completion_lengths": jnp.asarray(clen)}
+    s = w + n
+    full = np.zeros((p * g, s), np.int32)
+    seg = np.zeros((p * g, s), np.int32)
+    for i in range(p):
+        for j in range(g):
+            row = np.concatenate([prompts[i, :plen[i]], comps[i, j, :clen[i, j]]])
+            full[i * g + j, :len(row)] = row
+            seg[i * g + j, :len(row)] = 1
+    flat = {"tokens": jnp.asarray(full), "segment_ids": jnp.asarray(seg),
+            "positions": jnp.broadcast_to(jnp.arange(s), (p * g, s))}
+    idx = np.repeat(plen, g)[:, None] - 1 + np.arange(n)[None]  # predicts completion token j
+
+    def ours(params):
+        logp, _ = group_logprobs(spec, params, grouped, temperature=0.7, chunk_size=16)
+        return (logp * weights).sum(), logp
+
+    def reference(params):
+        logp_BxT = token_logprobs(spec.apply, params, flat, temperature=0.7)
+        logp = jnp.take_along_axis(logp_BxT, jnp.asarray(idx), axis=1).reshape(p, g, n)
+        return (logp * weights).sum(), logp * mask
+
+    (v1, lp1), g1 = jax.jit(jax.value_and_grad(ours, has_aux=True))(params)
+    (v2, lp2), g2 = jax.jit(jax.value_and_grad(reference, has_aux=True))(params)
+    np.testing.assert_allclose(np.asarray(lp1) * mask, lp2, atol=1e-5)
+    np.testing.assert_allclose(v1, v2, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

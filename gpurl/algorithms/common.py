@@ -37,23 +37,44 @@ def token_logprobs(apply: Callable[..., jax.Array], params: Any, batch: Batch,
     return jnp.take_along_axis(logp_BxTxV, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
 
 
-def completion_logprobs(spec: Any, params: Any, batch: Batch, temperature: float = 1.0,
-                        chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """(log p, entropy) of the N completion tokens of each row, B x N fp32.
+def group_logprobs(spec: Any, params: Any, batch: Batch, temperature: float = 1.0,
+                   chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(log p, entropy) of every completion token, P x G x N fp32, for P prompts with G
+    completions each (N token slots).
 
-    Row b's completion starts at token `completion_start[b]`; only the N hidden states that
-    predict completion tokens go through the vocabulary-sized head (prompt positions never
-    do), in chunks so that no B x N x V fp32 array is held (`gpurl.kernels.logprob`)."""
+    The G completions of a prompt share it, so the prompt goes through the model once per
+    group: its forward pass fills a KV cache that is repeated G times, and the completions
+    run on top of it (positions continue each prompt; padding slots are masked). Gradients
+    flow through the shared prompt keys and values, so this is the exact gradient of the
+    full-sequence log-probs at a fraction of the cost (prompts are often 10x longer than
+    the completions). Only the hidden states that predict completion tokens go through the
+    vocabulary-sized head, in chunks (`gpurl.kernels.logprob`).
+
+    Batch keys: prompt_tokens (P x W, right-padded), prompt_lengths (P), completions
+    (P x G x N), completion_lengths (P x G)."""
     from gpurl.kernels.logprob import chunked_token_logprobs
+    from gpurl.models import init_cache
 
-    hidden_BxSxD, _ = spec.hidden(params, batch["tokens"], batch["positions"], batch["segment_ids"])
-    n = batch["comp_mask"].shape[1]
-    last = batch["tokens"].shape[1] - 1
-    idx_BxN = batch["completion_start"][:, None] - 1 + jnp.arange(n, dtype=jnp.int32)[None]
-    hidden_BxNxD = jnp.take_along_axis(hidden_BxSxD, jnp.clip(idx_BxN, 0, last)[..., None], axis=1)
-    targets_BxN = jnp.take_along_axis(batch["tokens"], jnp.clip(idx_BxN + 1, 0, last), axis=1)
-    return chunked_token_logprobs(spec.logits, params, hidden_BxNxD, targets_BxN,
-                                  temperature or 1.0, chunk_size=chunk_size)
+    prompt_PxW, plen_P = batch["prompt_tokens"], batch["prompt_lengths"]
+    comp_PxGxN = batch["completions"]
+    p, g, n = comp_PxGxN.shape
+    w = prompt_PxW.shape[1]
+    pos_PxW = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (p, w))
+    seg_PxW = (pos_PxW < plen_P[:, None]).astype(jnp.int32)
+    cache = init_cache(spec.cfg, p, w + n)
+    hidden_PxWxD, cache = spec.hidden(params, prompt_PxW, pos_PxW, seg_PxW, cache)
+    last_PxD = jnp.take_along_axis(hidden_PxWxD, (plen_P - 1)[:, None, None], axis=1)[:, 0]
+    cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
+    comp_BxN = comp_PxGxN.reshape(p * g, n)
+    pos_BxN = jnp.repeat(plen_P, g)[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
+    seg_BxN = (jnp.arange(n)[None] < batch["completion_lengths"].reshape(-1, 1)).astype(jnp.int32)
+    hidden_BxNxD, _ = spec.hidden(params, comp_BxN, pos_BxN, seg_BxN, cache)
+    # Token j is predicted by the hidden state before it: the prompt's last for j = 0.
+    pred_BxNxD = jnp.concatenate([jnp.repeat(last_PxD, g, axis=0)[:, None],
+                                  hidden_BxNxD[:, :-1]], axis=1)
+    logp_BxN, entropy_BxN = chunked_token_logprobs(spec.logits, params, pred_BxNxD, comp_BxN,
+                                                   temperature or 1.0, chunk_size=chunk_size)
+    return logp_BxN.reshape(p, g, n), entropy_BxN.reshape(p, g, n)
 
 
 # ---------------------------------------------------------------- RL math shared by the

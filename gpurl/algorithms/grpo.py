@@ -8,11 +8,12 @@ clip-higher, token-mean aggregation, dynamic sampling and overlong shaping; Dr. 
 (Liu et al. 2025) mean-only advantages and a constant normalizer; RLOO (Ahmadian et al.
 2024) leave-one-out advantages.
 
-Batch keys (B rows = prompts x G, S tokens, N completion slots): tokens, positions,
-segment_ids (B x S), completion_start (B: index of the first completion token),
-comp_mask (B x N: 1 on completion tokens that carry loss), advantages (B), and when
-needed old_logprobs (num_iterations > 1), ref_logprobs (beta > 0) and sampler_logprobs
-(tis_cap), each B x N.
+Batch keys, grouped by prompt (P prompts, G completions each, N completion slots, W
+prompt tokens) so that micro-batches split whole groups: prompt_tokens (P x W),
+prompt_lengths (P), completions (P x G x N), completion_lengths (P x G), comp_mask
+(P x G x N: 1 on completion tokens that carry loss), advantages (P x G), and when needed
+old_logprobs (num_iterations > 1), ref_logprobs (beta > 0) and sampler_logprobs
+(tis_cap), each P x G x N. `policy_loss` takes the same keys flattened to B = P x G rows.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from gpurl.algorithms.common import (Batch, Objective, aggregate, clipped_objective,
-                                     completion_logprobs, kl_estimate, sequence_ratio)
+                                     group_logprobs, kl_estimate, sequence_ratio)
 from gpurl.config import AlgoConfig
 
 
@@ -60,17 +61,27 @@ def policy_loss(cfg: AlgoConfig, logp_BxT: jax.Array, batch: Batch, norm: dict,
     return loss, metrics
 
 
+ROW_KEYS = ("comp_mask", "advantages", "old_logprobs", "ref_logprobs", "sampler_logprobs")
+
+
+def flat_rows(batch: Batch) -> Batch:
+    """The per-row keys of a grouped batch with P x G flattened to B rows."""
+    return {k: v.reshape(-1, *v.shape[2:]) for k, v in batch.items() if k in ROW_KEYS}
+
+
 def grpo_objective(cfg: AlgoConfig, max_tokens: int, temperature: float = 1.0) -> Objective:
     """The objective the shared train step differentiates."""
     def normalizer(batch: Batch) -> dict:
-        mask_BxN = batch["comp_mask"]
+        mask_BxN = flat_rows(batch)["comp_mask"]
         return {"tokens": jnp.maximum(mask_BxN.sum(), 1.0),
                 "seqs": jnp.maximum((mask_BxN.sum(-1) > 0).sum(), 1).astype(jnp.float32)}
 
     def loss(spec: Any, params: Any, batch: Batch, norm: dict):
-        logp_BxN, entropy_BxN = completion_logprobs(spec, params, batch, temperature)
-        loss, metrics = policy_loss(cfg, logp_BxN, batch, norm, max_tokens)
-        metrics["entropy"] = (entropy_BxN * batch["comp_mask"]).sum() / norm["tokens"]
+        logp_PxGxN, entropy_PxGxN = group_logprobs(spec, params, batch, temperature)
+        rows = flat_rows(batch)
+        loss, metrics = policy_loss(cfg, logp_PxGxN.reshape(rows["comp_mask"].shape), rows,
+                                    norm, max_tokens)
+        metrics["entropy"] = (entropy_PxGxN * batch["comp_mask"]).sum() / norm["tokens"]
         return loss, metrics
 
     return Objective(loss=loss, normalizer=normalizer)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpurl.algorithms.common import completion_logprobs, group_advantages, kl_estimate
+from gpurl.algorithms.common import group_advantages, group_logprobs, kl_estimate
 from gpurl.config import Config, ConfigError, MeshConfig, RolloutConfig
 from gpurl.data.batching import step_indices
 from gpurl.distributed import runtime
@@ -236,27 +236,21 @@ class RLStepper:
     # ------------------------------------------------------------------ batch on device
 
     def _assemble_fn(self, rounds: list[tuple], select_K: jax.Array, keep_K: jax.Array) -> dict:
-        """Concatenates rounds, keeps rows `select_K`, and lays each row out as its prompt
-        followed by its completion; per-token arrays cover the N completion slots."""
+        """Concatenates rounds and keeps rows `select_K` (whole groups, in order), grouped
+        by prompt: every array's leading axis is the P prompts, so micro-batches and
+        shards split whole groups."""
+        g = self.group
         cat = [jnp.concatenate([r[i] for r in rounds]) for i in range(5)]
-        prompt_BxP, plen_B, comp_BxN, clen_B, clp_BxN = (x[select_K] for x in cat)
-        b, p = prompt_BxP.shape
-        n = comp_BxN.shape[1]
-        pad = self.tokenizer.pad_id
-        j_S = jnp.arange(p + n, dtype=jnp.int32)
-        rel_BxS = j_S[None, :] - plen_B[:, None]
-        in_comp_BxS = (rel_BxS >= 0) & (rel_BxS < clen_B[:, None])
-        comp_tok_BxS = jnp.take_along_axis(comp_BxN, jnp.clip(rel_BxS, 0, n - 1), axis=1)
-        is_prompt_BxS = j_S[None, :] < plen_B[:, None]
-        prompt_BxS = jnp.pad(prompt_BxP, ((0, 0), (0, n)), constant_values=pad)
-        tokens = jnp.where(is_prompt_BxS, prompt_BxS, jnp.where(in_comp_BxS, comp_tok_BxS, pad))
+        prompt_BxW, plen_B, comp_BxN, clen_B, clp_BxN = (x[select_K] for x in cat)
+        p, n = select_K.shape[0] // g, comp_BxN.shape[1]
         real_BxN = jnp.arange(n)[None, :] < clen_B[:, None]
-        return {"tokens": tokens.astype(jnp.int32),
-                "positions": jnp.broadcast_to(j_S, (b, p + n)),
-                "segment_ids": (is_prompt_BxS | in_comp_BxS).astype(jnp.int32),
-                "completion_start": plen_B.astype(jnp.int32),
-                "comp_mask": (real_BxN & keep_K[:, None]).astype(jnp.float32),
-                "sampler_logprobs": jnp.where(real_BxN, clp_BxN, 0.0)}
+        grouped = lambda x: x.reshape(p, g, *x.shape[1:])  # noqa: E731
+        return {"prompt_tokens": prompt_BxW[::g].astype(jnp.int32),
+                "prompt_lengths": plen_B[::g].astype(jnp.int32),
+                "completions": grouped(jnp.where(real_BxN, comp_BxN, self.tokenizer.pad_id)),
+                "completion_lengths": grouped(clen_B.astype(jnp.int32)),
+                "comp_mask": grouped((real_BxN & keep_K[:, None]).astype(jnp.float32)),
+                "sampler_logprobs": grouped(jnp.where(real_BxN, clp_BxN, 0.0))}
 
     def _prepare_fn(self, params: Params, ref_params: Params | None, batch: dict,
                     rewards_K: jax.Array) -> dict:
@@ -264,15 +258,16 @@ class RLStepper:
         algo, temp = self.cfg.algo, self.cfg.rollout.temperature
         out = dict(batch)
         if ref_params is not None:
-            out["ref_logprobs"] = completion_logprobs(self.spec, ref_params, batch, temp)[0]
+            out["ref_logprobs"] = group_logprobs(self.spec, ref_params, batch, temp)[0]
         if algo.num_iterations > 1 or algo.tis_cap is not None:
-            out["old_logprobs"] = completion_logprobs(self.spec, params, batch, temp)[0]
+            out["old_logprobs"] = group_logprobs(self.spec, params, batch, temp)[0]
         if ref_params is not None and algo.kl_in_reward:
             old = out.get("old_logprobs", batch["sampler_logprobs"])
-            kl_B = (kl_estimate(old, out["ref_logprobs"], algo.kl_estimator)
-                    * batch["comp_mask"]).sum(-1)
-            rewards_K = rewards_K - algo.beta * kl_B
-        out["advantages"] = group_advantages(rewards_K, self.group, algo.advantage, algo.adv_eps)
+            kl_K = (kl_estimate(old, out["ref_logprobs"], algo.kl_estimator)
+                    * batch["comp_mask"]).sum(-1).reshape(-1)
+            rewards_K = rewards_K - algo.beta * kl_K
+        adv_K = group_advantages(rewards_K, self.group, algo.advantage, algo.adv_eps)
+        out["advantages"] = adv_K.reshape(-1, self.group)
         return out
 
     # ------------------------------------------------------------------ the step

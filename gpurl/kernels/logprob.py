@@ -1,0 +1,125 @@
+"""Log-probabilities of target tokens without B x T x V logits in memory.
+
+A policy-gradient step needs log p(target) for every token, i.e. a log-softmax over the
+vocabulary. Materializing the logits costs B*T*V*4 bytes in fp32 (Gemma 3: V = 262,144,
+so 1 MiB per token and 8 GiB for 8k tokens) and autodiff keeps two such arrays alive.
+`chunked_token_logprobs` runs the output head chunk by chunk inside `lax.scan`, each
+chunk under `jax.checkpoint`, so the forward pass keeps only per-token scalars and the
+backward pass recomputes one chunk's logits at a time: peak memory is O(chunk x V)
+instead of O(B x T x V), for one extra head matmul (4 instead of 3). Liger Kernel's fused
+linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989) chunks the same way but computes
+the gradient inside the forward pass, which needs the loss fixed in advance; recomputing
+keeps log p an ordinary differentiable array that any RL loss (ratios, clipping, KL) uses.
+
+`token_logprobs_reference` is the pure-jnp version the chunked one is tested against.
+
+Both take the head as `logits_fn(params, hidden_NxD) -> logits_NxV` with the parameters
+passed explicitly (e.g. `ModelSpec.logits` and the full parameter tree, or a function of
+the head weight alone), so gradients reach the parameters and the hidden states.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, hidden_...xD) -> logits_...xV
+
+# fp32 logits of one chunk; see `default_chunk_size`.
+CHUNK_BYTES = 256 * 2**20
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Tokens per chunk whose fp32 logits take about `CHUNK_BYTES` (a power of two,
+    at least 16): 256 for V = 262,144 (Gemma 3), 2,048 for V = 32,000 (Llama 2).
+
+    256 MiB because XLA keeps about two chunk-sized fp32 arrays alive in the backward pass
+    (measured in benchmarks/README.md, "Chunked log-probs": 0.55 GB at Gemma 3's head, next
+    to 4.3 GB for the whole logits of 2,048 tokens), small beside the weights and
+    activations of any model with such a vocabulary, while one chunk's head matmul
+    (256 x 640 x 262,144 for Gemma 3 270M: 86 GFLOP) is still large enough to keep an
+    accelerator busy; larger chunks only cost memory."""
+    tokens = max(CHUNK_BYTES // (4 * vocab_size), 16)
+    return 2 ** int(math.log2(tokens))
+
+
+def _stats(logits_NxV: jax.Array, targets_N: jax.Array,
+           temperature: float) -> tuple[jax.Array, jax.Array]:
+    """log p(target) and the entropy of softmax(logits / temperature), both fp32.
+
+    The entropy is a metric: it is computed from stop-gradient logits, so it never adds
+    a term to the backward pass (an entropy bonus would need it differentiable)."""
+    z_NxV = logits_NxV.astype(jnp.float32) / temperature
+    lse_N = jax.nn.logsumexp(z_NxV, axis=-1)
+    target_N = jnp.take_along_axis(z_NxV, targets_N[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    # -sum p log p, not lse - sum p z: the latter cancels two large numbers (errors of
+    # 2e-5 for peaked distributions in fp32). p = 0 terms are 0, even for z = -inf.
+    logq_NxV = jax.lax.stop_gradient(z_NxV - lse_N[..., None])
+    p_NxV = jnp.exp(logq_NxV)
+    entropy_N = -jnp.sum(jnp.where(p_NxV > 0, p_NxV * logq_NxV, 0.0), axis=-1)
+    return target_N - lse_N, entropy_N
+
+
+def _temperature(temperature: float | None) -> float:
+    # Temperature 0 (greedy sampling) scores tokens at temperature 1, like
+    # `gpurl.algorithms.common.token_logprobs`.
+    return float(temperature or 1.0)
+
+
+def token_logprobs_reference(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.Array,
+                             targets_BxT: jax.Array,
+                             temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """(log p(targets), entropy), each B x T fp32, from the whole B x T x V logits at once."""
+    logits_BxTxV = logits_fn(params, hidden_BxTxD)
+    return _stats(logits_BxTxV, targets_BxT, _temperature(temperature))
+
+
+def chunked_token_logprobs(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.Array,
+                           targets_BxT: jax.Array, temperature: float = 1.0,
+                           chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(log p(targets), entropy), each B x T fp32, equal to `token_logprobs_reference` but
+    with the logits of at most ~`chunk_size` tokens alive at once, forward and backward.
+
+    `chunk_size` counts tokens over the whole batch; None picks `default_chunk_size(V)`.
+    Chunks are slices of the T axis taken from every row (B x c tokens, c = ceil(T /
+    ceil(B*T / chunk_size)), so a chunk holds chunk_size tokens or a little more when
+    rounding up, and at least B), never slices of B: rows stay split over the data axes
+    of the mesh, and every device computes the head for its own rows only. T is padded
+    with zeros up to a multiple of c; padded tokens are dropped from the outputs and get
+    no gradient. Differentiable in `params` and `hidden_BxTxD`; the entropy is a
+    stop-gradient metric (see `_stats`)."""
+    b, t, _ = hidden_BxTxD.shape
+    temperature = _temperature(temperature)
+    if chunk_size is None:
+        vocab = jax.eval_shape(logits_fn, params, hidden_BxTxD[:1, :1]).shape[-1]
+        chunk_size = default_chunk_size(vocab)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}.")
+    n = min(-(-b * t // chunk_size), t)  # chunks
+    c = -(-t // n)  # tokens of each row per chunk
+    pad = n * c - t
+    hidden_BxTxD = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
+    targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+    # Chunk axis first for scan; the swap moves only the unsharded T pieces.
+    hidden_NxBxCxD = hidden_BxTxD.reshape(b, n, c, -1).swapaxes(0, 1)
+    targets_NxBxC = targets_BxT.reshape(b, n, c).swapaxes(0, 1)
+
+    # prevent_cse=False: scan already keeps XLA from merging the recomputation away.
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk(params: Any, hidden_BxCxD: jax.Array,
+              targets_BxC: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return _stats(logits_fn(params, hidden_BxCxD), targets_BxC, temperature)
+
+    def body(carry: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, Any]:
+        return carry, chunk(params, *xs)
+
+    _, (logp_NxBxC, entropy_NxBxC) = jax.lax.scan(body, None, (hidden_NxBxCxD, targets_NxBxC))
+
+    def unchunk(x_NxBxC: jax.Array) -> jax.Array:
+        return x_NxBxC.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+
+    return unchunk(logp_NxBxC), unchunk(entropy_NxBxC)
