@@ -38,11 +38,12 @@ def default_chunk_size(vocab_size: int) -> int:
     at least 16): 256 for V = 262,144 (Gemma 3), 2,048 for V = 32,000 (Llama 2).
 
     256 MiB because XLA keeps about two chunk-sized fp32 arrays alive in the backward pass
-    (measured in benchmarks/README.md, "Chunked log-probs": 0.55 GB at Gemma 3's head, next
-    to 4.3 GB for the whole logits of 2,048 tokens), small beside the weights and
-    activations of any model with such a vocabulary, while one chunk's head matmul
-    (256 x 640 x 262,144 for Gemma 3 270M: 86 GFLOP) is still large enough to keep an
-    accelerator busy; larger chunks only cost memory."""
+    (benchmarks/README.md, "Chunked log-probs": 0.55 GB of scratch at Gemma 3's head, plus
+    one V x D weight-gradient buffer, against 4.3 GB for the whole logits of 2,048 tokens
+    and 17.2 GB for 8,192), small beside the weights and activations of any model with such
+    a vocabulary. On CPU 1,024-token chunks were no faster than 256; one 256-token chunk's
+    head matmul (256 x 640 x 262,144 for Gemma 3 270M: 86 GFLOP) should also keep a GPU
+    busy, which is not measured yet."""
     tokens = max(CHUNK_BYTES // (4 * vocab_size), 16)
     return 2 ** int(math.log2(tokens))
 
