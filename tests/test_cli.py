@@ -24,9 +24,42 @@ def test_overrides_compose_into_frozen_config():
     assert cfg.rollout.async_ is True
     assert cfg.data.name == "jsonl" and cfg.data.max_len == 512  # group option's own values
     assert cfg.mesh.train_rules["embed"] == ("tp",)
-    assert cfg.run.dir == "runs/sft-tiny-jsonl"  # interpolated, the same on every process
+    assert cfg.run.dir == "runs/grpo-gemma3_270m-jsonl"  # interpolated, the same on every process
     with pytest.raises(Exception):
         cfg.train.steps = 3  # frozen
+
+
+def test_defaults_are_the_main_job_and_presets_carry_published_values():
+    cfg = validate([])
+    assert (cfg.algo.name, cfg.model.name, cfg.data.name, cfg.data.few_shot) == (
+        "grpo", "gemma3_270m", "arithmetic", 4)
+    assert cfg.rollout.stop == ("\n",) and cfg.optim.lr == 1e-6 and cfg.optim.freeze == ("^embed$",)
+    assert (cfg.algo.beta, cfg.algo.epsilon, cfg.algo.loss_agg) == (0.04, 0.2, "seq_mean_token_mean")
+    gspo = validate(["algo=gspo"]).algo
+    assert (gspo.importance, gspo.epsilon, gspo.clip_high, gspo.beta) == ("sequence", 3e-4, 4e-4, 0.0)
+    dapo = validate(["algo=dapo"]).algo
+    assert (dapo.clip_high, dapo.loss_agg, dapo.dynamic_sampling, dapo.beta) == (
+        0.28, "token_mean", True, 0.0)
+    drgrpo = validate(["algo=drgrpo"]).algo
+    assert (drgrpo.advantage, drgrpo.loss_agg) == ("drgrpo", "seq_mean_token_sum_norm")
+    rloo = validate(["algo=rloo"]).algo
+    assert (rloo.advantage, rloo.kl_in_reward) == ("rloo", True)
+    sft = validate(["algo=sft", "model=tiny", "data=arithmetic", "optim=adamw", "train=default"])
+    assert (sft.algo.name, sft.optim.lr, sft.data.few_shot) == ("sft", 1e-3, 0)
+    cfg = validate(["rewards=[numeric_match,boxed_format]", "reward_weights=[1.0,0.5]"])
+    assert cfg.rewards == ("numeric_match", "boxed_format") and cfg.reward_weights == (1.0, 0.5)
+    with pytest.raises(ConfigError, match="2 rewards but 1 reward_weights"):
+        validate(["rewards=[numeric_match,boxed_format]", "reward_weights=[1.0]"])
+
+
+def test_eval_command_composes():
+    from gpurl.cli import APPS
+    from gpurl.config import EvalConfig
+
+    cfg = validate(["checkpoint=runs/x", "pass_k=8", "data=countdown"], APPS["eval"])
+    assert isinstance(cfg, EvalConfig) and cfg.pass_k == 8 and cfg.data.name == "countdown"
+    with pytest.raises(ConfigError, match="unknown config key 'pass_kk'"):
+        validate(["pass_kk=3"], APPS["eval"])
 
 
 @pytest.mark.parametrize("override,expected", [

@@ -254,6 +254,18 @@ def _run_steps(s: _Session, state: Any, start: int, sink: MetricsSink) -> tuple[
     return step, last_eval
 
 
+def _peak_memory() -> dict[str, float]:
+    """Peak resident memory of this process and, where the backend reports it (GPU), peak
+    device memory, in GB."""
+    import resource
+
+    out = {"peak_host_memory_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        out["peak_device_memory_gb"] = round(stats["peak_bytes_in_use"] / 2**30, 3)
+    return out
+
+
 def _eval_at(run_dir: Path, step: int) -> dict[str, float]:
     """The eval figures logged at `step` (from metrics.jsonl, so they survive a resume)."""
     path = run_dir / "metrics.jsonl"
@@ -293,7 +305,7 @@ def train(cfg: Config) -> dict[str, Any]:
         s.ckpt.close()
     if step < cfg.train.steps:
         raise SystemExit(143)
-    summary = {"step": step, "finished": True, **last_eval}
+    summary = {"step": step, "finished": True, **last_eval, **_peak_memory()}
     before = _eval_at(s.run_dir, 0) if main and s.eval_at_start else {}
     if before:
         summary["start"] = before
