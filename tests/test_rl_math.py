@@ -92,7 +92,7 @@ def test_gspo_sequence_ratio():
 
 # ---------------------------------------------------------------- the GRPO-family loss
 
-def _np_policy_loss(logp, old, ref, adv, mask, cfg):
+def _np_policy_loss(logp, old, ref, adv, mask, cfg, sampler=None):
     """NumPy transcription: DeepSeekMath eq. 3 (token ratios, KL k3 in the loss), GSPO eq. 5-7
     (sequence ratio), aggregation as configured."""
     if cfg.importance == "sequence":
@@ -102,11 +102,15 @@ def _np_policy_loss(logp, old, ref, adv, mask, cfg):
         ratio = np.exp(logp - old)
     clipped = np.clip(ratio, 1 - cfg.epsilon, 1 + cfg.clip_high)
     per_token = -np.minimum(ratio * adv[:, None], clipped * adv[:, None])
+    if cfg.tis_cap is not None:  # Yao et al. 2025: min(pi_old / pi_sampler, C) per token
+        per_token = per_token * np.minimum(np.exp(old - sampler), cfg.tis_cap)
     if cfg.beta:
         r = np.exp(ref - logp)
         per_token = per_token + cfg.beta * (r - np.log(r) - 1)
     if cfg.loss_agg == "token_mean":
         return (per_token * mask).sum() / mask.sum()
+    if cfg.loss_agg == "seq_mean_token_sum_norm":  # Dr. GRPO: a constant normalizer
+        return (per_token * mask).sum() / (mask.shape[0] * mask.shape[1])
     return np.mean((per_token * mask).sum(1) / mask.sum(1))
 
 
@@ -114,6 +118,8 @@ def _np_policy_loss(logp, old, ref, adv, mask, cfg):
     dict(name="grpo", beta=0.04),
     dict(name="gspo", importance="sequence", epsilon=3e-4, epsilon_high=4e-4),
     dict(name="dapo", epsilon_high=0.28, loss_agg="token_mean"),
+    dict(name="drgrpo", advantage="drgrpo", loss_agg="seq_mean_token_sum_norm"),
+    dict(name="grpo", tis_cap=1.5),
 ])
 def test_policy_loss_matches_numpy(overrides):
     from gpurl.algorithms.grpo import policy_loss
@@ -122,9 +128,42 @@ def test_policy_loss_matches_numpy(overrides):
     cfg = AlgoConfig(**overrides)
     old = (LOGP + RNG.normal(0, 0.3, (B, T))).astype(np.float32)
     adv = RNG.normal(size=B).astype(np.float32)
+    sampler = (old + RNG.normal(0, 0.5, (B, T))).astype(np.float32)
     batch = {"comp_mask": jnp.asarray(MASK), "advantages": jnp.asarray(adv),
-             "old_logprobs": jnp.asarray(old), "ref_logprobs": jnp.asarray(REF)}
+             "old_logprobs": jnp.asarray(old), "ref_logprobs": jnp.asarray(REF),
+             "sampler_logprobs": jnp.asarray(sampler)}
     norm = {"tokens": jnp.float32(MASK.sum()), "seqs": jnp.float32(B)}
     loss, metrics = policy_loss(cfg, jnp.asarray(LOGP), batch, norm, max_tokens=T)
-    np.testing.assert_allclose(loss, _np_policy_loss(LOGP, old, REF, adv, MASK, cfg), rtol=1e-5)
+    np.testing.assert_allclose(loss, _np_policy_loss(LOGP, old, REF, adv, MASK, cfg, sampler),
+                               rtol=1e-5)
     assert 0 <= float(metrics["clip_fraction"]) <= 1
+
+
+def test_gspo_token_has_gspo_value_and_gradient():
+    """GSPO-token (Zheng et al. 2025, eq. 13-14) equals GSPO in value and gradient when every
+    token of a sequence has the sequence's advantage: d loss / d logp_it =
+    -A_i s_i / |y_i| / B where the ratio is not clipped, 0 where it is."""
+    import jax
+
+    from gpurl.algorithms.grpo import policy_loss
+    from gpurl.config import AlgoConfig
+
+    old = (LOGP + RNG.normal(0, 0.1, (B, T))).astype(np.float32)
+    adv = RNG.normal(size=B).astype(np.float32)
+    batch = {"comp_mask": jnp.asarray(MASK), "advantages": jnp.asarray(adv),
+             "old_logprobs": jnp.asarray(old)}
+    norm = {"tokens": jnp.float32(MASK.sum()), "seqs": jnp.float32(B)}
+
+    def loss_of(importance):
+        cfg = AlgoConfig(name="gspo", importance=importance, epsilon=0.03, epsilon_high=0.04)
+        return jax.value_and_grad(lambda lp: policy_loss(cfg, lp, batch, norm, T)[0])(
+            jnp.asarray(LOGP))
+
+    (v_seq, g_seq), (v_tok, g_tok) = loss_of("sequence"), loss_of("sequence_token")
+    s = np.exp(((LOGP - old) * MASK).sum(1) / MASK.sum(1))
+    unclipped = np.where(adv >= 0, s <= 1.04, s >= 0.97)  # where min() picks s * A
+    want = -(adv * s * unclipped / MASK.sum(1) / B)[:, None] * MASK
+    assert unclipped.any() and not unclipped.all()
+    np.testing.assert_allclose(v_tok, v_seq, rtol=1e-6)
+    np.testing.assert_allclose(g_seq, want, atol=1e-6)
+    np.testing.assert_allclose(g_tok, want, atol=1e-6)
