@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-ARGS = ["model.d_model=32", "model.mlp_dim=64", "model.head_dim=8", "model.dtype=float32",
+# SFT on the tiny model (the command line's defaults are the real-model GRPO job).
+ARGS = ["algo=sft", "model=tiny", "data=arithmetic", "optim=adamw", "train=default",
+        "rollout=default", "model.d_model=32", "model.mlp_dim=64", "model.head_dim=8", "model.dtype=float32",
         "data.num_train=200", "data.num_eval=16", "train.batch_size=8", "train.steps=6",
         "train.eval_every=3", "train.eval_batch_size=8", "train.checkpoint_every=3",
         "logger.progress=false"]
@@ -58,3 +60,50 @@ def test_two_processes_match_one_process(tmp_path):
     assert sorted(p.name for p in (tmp_path / "two/checkpoints").iterdir()) == ["3", "6"]
     summary = json.loads((tmp_path / "two/summary.json").read_text())
     assert summary["step"] == 6 and "eval/loss" in summary
+
+
+GRPO_ARGS = ["algo=grpo", "model=tiny", "model.tokenizer=bytes", "data=arithmetic",
+             "data.num_train=64", "data.num_eval=8", "data.max_len=16", "optim=adamw",
+             "optim.lr=1e-2", "optim.warmup_steps=0", "optim.decay=constant", "train=default",
+             "train.steps=3", "train.batch_size=4", "train.eval_every=0",
+             "train.checkpoint_every=0", "train.eval_batch_size=16", "train.eval_pass_k=2",
+             "rollout=default", "rollout.max_new_tokens=8", "algo.num_generations=4",
+             "algo.beta=0.04", "rewards=[rl_rewards:printable_counted]", "logger.progress=false"]
+
+
+def test_grpo_two_processes_match_one_and_score_each_row_once(tmp_path):
+    """GRPO with 2 processes x 2 devices gives the rewards and losses of 1 process x 4
+    devices; rewards are computed per shard, so the rows scored across all processes add
+    up to exactly the rows generated (3 steps x 4 prompts x 4 samples, and two evals of
+    8 greedy + 8 x 2 sampled rows)."""
+    counts = {name: tmp_path / f"count-{name}" for name in ("one", "two")}
+    procs = []
+    for name, n in (("one", 1), ("two", 2)):
+        counts[name].mkdir()
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // n}",
+                   GPURL_TEST_COUNT_DIR=str(counts[name]),
+                   PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                               os.environ.get("PYTHONPATH", "")]))
+        port = _free_port()
+        for i in range(n):
+            extra = ([f"distributed.coordinator=127.0.0.1:{port}", f"distributed.num_processes={n}",
+                      f"distributed.process_id={i}"] if n > 1 else [])
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "gpurl.cli", "train", *GRPO_ARGS,
+                 f"run.dir={tmp_path / name}", *extra],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2, 3, 3]
+    for a, b in zip(one, two):
+        for key in ("reward/mean", "loss", "kl", "grad_norm", "eval/accuracy", "eval/pass@2"):
+            if key in a:
+                np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    expected = 3 * 4 * 4 + 2 * (8 + 8 * 2)
+    for name in ("one", "two"):
+        per_process = {f.name: sum(int(x) for x in f.read_text().split())
+                       for f in counts[name].iterdir()}
+        assert len(per_process) == (1 if name == "one" else 2)
+        assert sum(per_process.values()) == expected, per_process

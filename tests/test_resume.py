@@ -22,7 +22,9 @@ from gpurl.train.optim import make_optimizer
 from conftest import make_config
 
 STEPS = 60
-ARGS = ["model.d_model=32", "model.mlp_dim=64", "model.head_dim=8", "model.dtype=float32",
+# SFT on the tiny model (the command line's defaults are the real-model GRPO job).
+ARGS = ["algo=sft", "model=tiny", "data=arithmetic", "optim=adamw", "train=default",
+        "rollout=default", "model.d_model=32", "model.mlp_dim=64", "model.head_dim=8", "model.dtype=float32",
         "data.num_train=200", "data.num_eval=0", "train.batch_size=8",
         "train.micro_batch_size=4", f"train.steps={STEPS}", "train.checkpoint_every=10",
         "train.keep_checkpoints=10", "optim.weight_decay=0.01"]
