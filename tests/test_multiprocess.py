@@ -72,16 +72,18 @@ GRPO_ARGS = ["algo=grpo", "model=tiny", "model.tokenizer=bytes", "data=arithmeti
 
 
 def test_grpo_two_processes_match_one_and_score_each_row_once(tmp_path):
-    """GRPO with 2 processes x 2 devices gives the rewards and losses of 1 process x 4
-    devices; rewards are computed per shard, so the rows scored across all processes add
-    up to exactly the rows generated (3 steps x 4 prompts x 4 samples, and two evals of
-    8 greedy + 8 x 2 sampled rows)."""
-    counts = {name: tmp_path / f"count-{name}" for name in ("one", "two")}
+    """GRPO with 2 processes x 2 devices, colocated and split (each process gives one
+    device to rollout, one to training, and weights sync every step), gives the rewards
+    and losses of 1 process x 4 devices; rewards are computed per shard, so the rows
+    scored across all processes add up to exactly the rows generated (3 steps x 4 prompts
+    x 4 samples, and two evals of 8 greedy + 8 x 2 sampled rows)."""
+    runs = {"one": (1, []), "two": (2, []),
+            "split": (2, ["mesh.placement=split", "mesh.rollout_devices=2"])}
     procs = []
-    for name, n in (("one", 1), ("two", 2)):
-        counts[name].mkdir()
+    for name, (n, extra_args) in runs.items():
+        (tmp_path / f"count-{name}").mkdir()
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // n}",
-                   GPURL_TEST_COUNT_DIR=str(counts[name]),
+                   GPURL_TEST_COUNT_DIR=str(tmp_path / f"count-{name}"),
                    PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
                                                os.environ.get("PYTHONPATH", "")]))
         port = _free_port()
@@ -89,21 +91,26 @@ def test_grpo_two_processes_match_one_and_score_each_row_once(tmp_path):
             extra = ([f"distributed.coordinator=127.0.0.1:{port}", f"distributed.num_processes={n}",
                       f"distributed.process_id={i}"] if n > 1 else [])
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "gpurl.cli", "train", *GRPO_ARGS,
+                [sys.executable, "-m", "gpurl.cli", "train", *GRPO_ARGS, *extra_args,
                  f"run.dir={tmp_path / name}", *extra],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=400)[0] for p in procs]
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out
-    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
-    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2, 3, 3]
-    for a, b in zip(one, two):
-        for key in ("reward/mean", "loss", "kl", "grad_norm", "eval/accuracy", "eval/pass@2"):
-            if key in a:
-                np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    one = _metrics(tmp_path / "one")
+    assert [r["step"] for r in one] == [0, 1, 2, 3, 3]
+    for name in ("two", "split"):
+        other = _metrics(tmp_path / name)
+        assert [r["step"] for r in other] == [r["step"] for r in one]  # written once
+        for a, b in zip(one, other):
+            for key in ("reward/mean", "loss", "kl", "grad_norm", "eval/accuracy", "eval/pass@2"):
+                if key in a:
+                    np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7,
+                                               err_msg=f"{name}: {key}")
+    assert all("time/sync_s" in r for r in _metrics(tmp_path / "split") if "loss" in r)
     expected = 3 * 4 * 4 + 2 * (8 + 8 * 2)
-    for name in ("one", "two"):
+    for name, (n, _) in runs.items():
         per_process = {f.name: sum(int(x) for x in f.read_text().split())
-                       for f in counts[name].iterdir()}
-        assert len(per_process) == (1 if name == "one" else 2)
-        assert sum(per_process.values()) == expected, per_process
+                       for f in (tmp_path / f"count-{name}").iterdir()}
+        assert len(per_process) == n
+        assert sum(per_process.values()) == expected, (name, per_process)

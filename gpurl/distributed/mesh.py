@@ -48,6 +48,34 @@ def rollout_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     return Mesh(np.asarray(devices).reshape(-1, cfg.rollout_tp), ("data", "tp"))
 
 
+def placement_devices(cfg: MeshConfig) -> tuple[list[jax.Device], list[jax.Device]]:
+    """(trainer devices, rollout devices). Colocated: both are every device. Split: each
+    process gives its first `mesh.rollout_devices / processes` local devices to rollout and
+    the rest to training, so every process samples its own rows and trains on its own
+    rows (no process waits on another's host for data)."""
+    devices = list(jax.devices())
+    if cfg.placement == "colocated":
+        return devices, devices
+    count = jax.process_count()
+    total = len(devices)
+    if not 0 < cfg.rollout_devices < total or cfg.rollout_devices % count:
+        raise ConfigError(
+            f"mesh.placement=split needs mesh.rollout_devices between 1 and {total - 1} and a "
+            f"multiple of the {count} processes (got {cfg.rollout_devices}); set "
+            f"mesh.rollout_devices, e.g. mesh.rollout_devices={max(total // 2 // count, 1) * count}.")
+    per = cfg.rollout_devices // count
+    rollout, train = [], []
+    for p in range(count):
+        local = sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)
+        if len(local) <= per:
+            raise ConfigError(
+                f"process {p} has {len(local)} devices, so it cannot give {per} to rollout and "
+                f"keep one for training; lower mesh.rollout_devices or use mesh.placement=colocated.")
+        rollout += local[:per]
+        train += local[per:]
+    return train, rollout
+
+
 def logical_spec(axes: Sequence[str | None], shape: Sequence[int], rules: Rules,
                  mesh: Mesh) -> P:
     """PartitionSpec for one array; a mesh axis is used at most once per array."""

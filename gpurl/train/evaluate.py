@@ -45,7 +45,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, float]:
         print(f"[gpurl] {model_cfg.name} has no checkpoint: evaluating random weights.", flush=True)
         params = jax.jit(lambda: spec.init(cfg.seed),
                          out_shardings=engine.sampler.param_shardings)()
-    figures = engine.evaluate(params, prompts, cfg.pass_k, cfg.batch_size, cfg.seed)
+    figures = engine.evaluate(engine.sampler.place(params), prompts, cfg.pass_k, cfg.batch_size, cfg.seed)
     if runtime.is_main_process():
         print(f"[gpurl] eval of {source} on {len(prompts)} held-out {cfg.data.name} prompts "
               f"({skipped} longer than data.max_len skipped), correct = "

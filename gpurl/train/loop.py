@@ -27,7 +27,7 @@ from gpurl.data.batching import eval_batches, process_rows, step_indices, take
 from gpurl.data.sft import TokenRows, encode_sft
 from gpurl.data.sources import load_examples
 from gpurl.distributed import runtime
-from gpurl.distributed.mesh import batch_divisor, trainer_mesh
+from gpurl.distributed.mesh import batch_divisor, placement_devices, trainer_mesh
 from gpurl.models import count_params, loading, model_spec
 from gpurl.models.tokenizer import load_tokenizer
 from gpurl.train.checkpoint import Checkpointer
@@ -152,7 +152,8 @@ class _PendingMetrics:
 def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    mesh = trainer_mesh(cfg.mesh)
+    devices = placement_devices(cfg.mesh)[0] if algorithms.is_rl(cfg) else None
+    mesh = trainer_mesh(cfg.mesh, devices)
     _check_batch(cfg, batch_divisor(mesh, cfg.mesh.train_rules))
     model_cfg = loading.resolve(cfg.model)
     cfg = dataclasses.replace(cfg, model=model_cfg)  # config.yaml records the real architecture

@@ -29,10 +29,11 @@ from gpurl.data.batching import step_indices
 from gpurl.distributed import runtime
 from gpurl.models import ModelSpec, Params
 from gpurl.models.tokenizer import Tokenizer
-from gpurl.distributed.mesh import rollout_mesh
+from gpurl.distributed.mesh import placement_devices, rollout_mesh
+from gpurl.distributed.sync import WeightSync
 from gpurl.rewards import Reward, load as load_rewards
 from gpurl.rewards.sharded import RowContext, ShardedScorer
-from gpurl.rollout.decode import stop_token_ids
+from gpurl.rollout.decode import local_rows, stop_token_ids
 from gpurl.rollout.generate import encode_prompt
 from gpurl.rollout.sampler import MIN_PROMPT_BUCKET, Rollout, Sampler, bucket
 from gpurl.train.step import Placement, TrainState
@@ -125,9 +126,10 @@ class Rollouts:
     """Sampling and sharded scoring of prompts, for training and for evaluation."""
 
     def __init__(self, spec: ModelSpec, tokenizer: Tokenizer, rollout: RolloutConfig,
-                 mesh: MeshConfig, rewards: Sequence[Reward], prompt_width: int):
+                 mesh: MeshConfig, rewards: Sequence[Reward], prompt_width: int,
+                 devices: Sequence[jax.Device] | None = None):
         self.tokenizer, self.rewards, self.prompt_width = tokenizer, list(rewards), prompt_width
-        self.sampler = Sampler(spec, rollout, rollout_mesh(mesh), mesh.sample_rules,
+        self.sampler = Sampler(spec, rollout, rollout_mesh(mesh, devices), mesh.sample_rules,
                                stop_ids=stop_token_ids(tokenizer, rollout.stop),
                                pad_id=tokenizer.pad_id)
         self.scorer = ShardedScorer(self.sampler.mesh, self.rewards, tokenizer, rollout.stop)
@@ -169,10 +171,9 @@ class Rollouts:
 
     def evaluate(self, params: Params, prompts: Prompts, pass_k: int, batch_rows: int,
                  seed: int) -> dict[str, float]:
-        """Greedy accuracy on `prompts`, and pass@k with k samples each at the rollout
-        temperature (pass@1 = the mean of those samples): a completion is correct when the
+        """Greedy accuracy on `prompts` (`params` in the rollout layout), and pass@k with k
+        samples each at the rollout temperature (pass@1 = the mean of those samples): a completion is correct when the
         first reward function gives it >= 1."""
-        params = self.sampler.place(params)
         greedy = self._scores(params, prompts, 1, 0.0, batch_rows, seed)
         out = {"eval/accuracy": float((greedy[:, 0, 1] >= 1.0 - 1e-6).mean()),
                "eval/reward": float(greedy[:, 0, 0].mean())}
@@ -210,7 +211,12 @@ class RLStepper:
         self.rewards = load_rewards(reward_names, cfg.reward_weights or None)
         longest = max(len(t) for t in train.tokens + (evals.tokens if evals else []))
         self.engine = Rollouts(spec, tokenizer, cfg.rollout, cfg.mesh, self.rewards,
-                               bucket(longest, MIN_PROMPT_BUCKET))
+                               bucket(longest, MIN_PROMPT_BUCKET), placement_devices(cfg.mesh)[1])
+        self.sync = WeightSync(place.state.params, self.engine.sampler.param_shardings)
+        # rollout.async with split placement: step s+1's first rollout round is generated
+        # with the parameters step s starts from, while step s trains (one step off-policy).
+        self.overlap = cfg.rollout.async_ and not self.sync.colocated
+        self._prefetched: tuple[int, _Round] | None = None
         self.max_new = cfg.rollout.max_new_tokens
         self._check_rows()
         self._assemble = jax.jit(self._assemble_fn, out_shardings=place.batch)
@@ -225,6 +231,16 @@ class RLStepper:
                 f"train.batch_size={self.cfg.train.batch_size} prompts x algo.num_generations="
                 f"{self.group} = {rows} rows must split evenly over {count} processes and "
                 f"{shards} rollout data shards; change train.batch_size.")
+
+    def _to_trainer(self, x: jax.Array) -> jax.Array:
+        """Rollout rows onto the trainer mesh. Split placement: through this host (a few
+        KB of tokens), since each process's rows are on its own rollout devices and go to
+        its own trainer devices; a device-to-device copy across device sets would need a
+        cross-host transfer that multi-process GPU runtimes do not offer for this case."""
+        if self.sync.colocated:
+            return jax.device_put(x, self.place.batch)
+        local = np.concatenate([rows for _, rows in local_rows(x)])
+        return jax.make_array_from_process_local_data(self.place.batch, local)
 
     def _rewards(self, r: _Round) -> np.ndarray:
         """Total reward of each row with DAPO's overlong shaping; padding rows 0."""
@@ -272,19 +288,27 @@ class RLStepper:
 
     # ------------------------------------------------------------------ the step
 
+    def _round(self, params: Params, step: int, rnd: int) -> _Round:
+        """Rollout round `rnd` of `step`: its prompts and seeds are functions of both."""
+        cfg, algo = self.cfg, self.cfg.algo
+        stream = step * (1 + algo.max_refills) + rnd if algo.dynamic_sampling else step
+        idx = step_indices(len(self.train), cfg.train.batch_size, stream, cfg.train.seed)
+        return self.engine.run(params, self.train, idx, self.group,
+                               row_seeds(cfg.train.seed, step, rnd, len(idx) * self.group))
+
     def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
         cfg, algo = self.cfg, self.cfg.algo
         prompts_per_step = cfg.train.batch_size
         t0 = time.perf_counter()
-        params = self.engine.sampler.place(state.params)
+        params = self.sync(state.params)
+        jax.block_until_ready(params)
         t_sync = time.perf_counter() - t0
         rounds, rewards, kept, dropped = [], [], [], []
-        rows = prompts_per_step * self.group
         for rnd in range(1 + (algo.max_refills if algo.dynamic_sampling else 0)):
-            stream = step * (1 + algo.max_refills) + rnd if algo.dynamic_sampling else step
-            idx = step_indices(len(self.train), prompts_per_step, stream, cfg.train.seed)
-            r = self.engine.run(params, self.train, idx, self.group,
-                                row_seeds(cfg.train.seed, step, rnd, rows))
+            if rnd == 0 and self._prefetched is not None and self._prefetched[0] == step:
+                r = self._prefetched[1]  # generated while the previous step trained
+            else:
+                r = self._round(params, step, rnd)
             rewards.append(self._rewards(r))
             keep, drop = select_groups(rewards[-1], self.group, prompts_per_step,
                                        algo.dynamic_sampling)
@@ -293,6 +317,7 @@ class RLStepper:
             rounds.append(r)
             if len(kept) >= prompts_per_step:
                 break
+        self._prefetched = None
         kept_groups = kept[:prompts_per_step]
         groups = kept_groups + dropped[:prompts_per_step - len(kept_groups)]  # fillers: no loss
         keep_K = np.repeat(np.arange(len(groups)) < len(kept_groups), self.group)
@@ -303,16 +328,21 @@ class RLStepper:
                                 for i, g in groups for j in range(self.group)], np.float32)
         r0 = rounds[0]
         t2 = time.perf_counter()
-        parts = [tuple(jax.device_put(x, self.place.batch) for x in
+        parts = [tuple(self._to_trainer(x) for x in
                        (r.prompt_tokens, r.prompt_lengths, r.rollout.tokens, r.rollout.lengths,
                         r.rollout.logprobs)) for r in rounds]
         batch = self._assemble(parts, jnp.asarray(select_K, jnp.int32), jnp.asarray(keep_K))
         batch = self._prepare(state.params, self.ref_params, batch, jnp.asarray(rewards_K))
         metrics_dev: dict[str, Any] = {}
         for _ in range(algo.num_iterations):
-            state, metrics_dev = self.step_fn(state, batch)
+            state, metrics_dev = self.step_fn(state, batch)  # dispatched, not awaited
+        t_overlap = 0.0
+        if self.overlap and step + 1 < cfg.train.steps:
+            t3 = time.perf_counter()
+            self._prefetched = (step + 1, self._round(params, step + 1, 0))
+            t_overlap = time.perf_counter() - t3
         metrics = {k: float(v) for k, v in jax.device_get(metrics_dev).items()}
-        t_train = time.perf_counter() - t2
+        t_train = time.perf_counter() - t2 - t_overlap
 
         g0 = rewards[0].reshape(-1, self.group)  # round 0: the unfiltered batch
         metrics.update({
@@ -325,10 +355,12 @@ class RLStepper:
             "time/sync_s": t_sync, "time/rollout_s": sum(r.rollout_s for r in rounds),
             "time/reward_s": sum(r.reward_s for r in rounds), "time/train_s": t_train,
         })
+        if self.overlap:
+            metrics["time/overlapped_rollout_s"] = t_overlap  # next step's, during training
         for f, reward in enumerate(self.rewards):
             metrics[f"reward/{reward.name}"] = float(r0.scores[:, 1 + f].mean())
         return state, metrics
 
     def evaluate(self, params: Params) -> dict[str, float]:
-        return self.engine.evaluate(params, self.evals, self.cfg.train.eval_pass_k,
+        return self.engine.evaluate(self.sync(params), self.evals, self.cfg.train.eval_pass_k,
                                     self.cfg.train.eval_batch_size, self.cfg.train.seed)
