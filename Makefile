@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 EXTRAS ?= dev
 
-.PHONY: install train test clean
+.PHONY: install slurm train test clean
 
 $(BIN)/gpurl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,12 +14,31 @@ $(BIN)/gpurl: pyproject.toml
 
 install: $(BIN)/gpurl
 
+# Slurm for tests/test_slurm.py, which starts its own private single-node cluster. Installs
+# the Debian packages only when a binary is missing and only as root with apt-get; the
+# policy-rc.d (only if none exists, removed after) keeps the packages' system services from
+# starting. Otherwise one line says the Slurm tests will skip.
+SLURM_PACKAGES := munge slurmctld slurmd slurm-client
+slurm:
+	@missing=; for b in srun slurmctld slurmd munged; do \
+	  PATH="$$PATH:/usr/sbin:/sbin" command -v $$b >/dev/null 2>&1 || missing="$$missing $$b"; done; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "Installing Slurm for the Slurm tests (missing:$$missing): $(SLURM_PACKAGES)"; \
+	  policy=/usr/sbin/policy-rc.d; \
+	  if [ ! -e $$policy ]; then printf '#!/bin/sh\nexit 101\n' > $$policy && chmod +x $$policy \
+	    && trap "rm -f $$policy" EXIT; fi; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $(SLURM_PACKAGES); } >/dev/null \
+	    || echo "Installing $(SLURM_PACKAGES) failed; Slurm tests will be skipped."; \
+	else echo "Slurm binaries missing:$$missing; not root with apt-get, so Slurm tests will be skipped."; fi
+
 # The main job. ARGS takes Hydra overrides: make train ARGS="train.steps=10"
 train: install
 	$(BIN)/gpurl train $(ARGS)
 
 # The full test suite (CPU; several forced host devices per test process).
-test: install
+test: install slurm
 	$(BIN)/python -m pytest $(ARGS)
 
 clean:
