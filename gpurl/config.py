@@ -375,6 +375,13 @@ class DistributedConfig:
     coordinator: Optional[str] = None  # host:port of process 0; null = detect (Slurm) or single process
     num_processes: Optional[int] = None  # processes in the job; null = detect
     process_id: Optional[int] = None  # this process's index; null = detect
+    init_timeout_s: int = 300  # give up (with an error) when the coordinator is unreachable this long
+    heartbeat_timeout_s: int = 30  # a process silent this long is dead: the others stop (no hang)
+    shutdown_timeout_s: int = 60  # how long a finishing process waits for the others at exit
+
+    def __post_init__(self) -> None:
+        for key in ("init_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s"):
+            _positive(f"distributed.{key}", getattr(self, key))
 
 
 @dataclass(frozen=True)

@@ -114,3 +114,36 @@ def test_grpo_two_processes_match_one_and_score_each_row_once(tmp_path):
                        for f in (tmp_path / f"count-{name}").iterdir()}
         assert len(per_process) == n
         assert sum(per_process.values()) == expected, (name, per_process)
+
+
+def test_killed_process_stops_the_others_within_60s(tmp_path):
+    """SIGKILL of one process mid-run: the other exits non-zero within 60 s (the
+    coordination service's heartbeat timeout, distributed.heartbeat_timeout_s=30), no hang."""
+    import signal
+    import time
+
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                           os.environ.get("PYTHONPATH", "")]))
+    args = [a for a in GRPO_ARGS if not a.startswith("train.steps=")] + ["train.steps=500"]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "gpurl.cli", "train", *args, f"run.dir={tmp_path / 'run'}",
+         f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+         f"distributed.process_id={i}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().count("reward/mean") >= 2):
+        assert all(p.poll() is None for p in procs), procs[0].communicate()[0]
+        assert time.time() < deadline, "the run never reached step 2"
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    try:
+        procs[0].wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        raise AssertionError("process 0 still running 60 s after process 1 was killed")
+    assert procs[0].returncode != 0
+    assert time.time() - killed_at < 60
