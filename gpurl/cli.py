@@ -176,9 +176,11 @@ def _train_job(cfg_node: Any) -> Any:
     if hydra_cfg.mode == RunMode.MULTIRUN and not any(
             o.startswith("run.dir=") for o in hydra_cfg.overrides.task):
         cfg_node.run.dir = hydra_cfg.runtime.output_dir  # one run directory per sweep job
+    from gpurl.rewards import RewardError
+
     try:
         return train(to_config(cfg_node))
-    except ConfigError as e:
+    except (ConfigError, RewardError) as e:
         _fail(str(e))
 
 

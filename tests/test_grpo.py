@@ -109,3 +109,20 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     (_, a), (_, b) = restore_run(tmp_path / "straight"), restore_run(tmp_path / "resumed")
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def broken(prompts, completions, **_):
+    return [1.0 / (len(c) - len(c)) for c in completions]
+
+
+def test_a_raising_reward_stops_the_run_with_its_name_and_row(tmp_path):
+    import dataclasses
+
+    from gpurl.rewards import RewardError
+
+    cfg = grpo_config(tmp_path, "grpo", steps=2)
+    cfg = dataclasses.replace(cfg, rewards=("test_grpo:broken",),
+                              train=dataclasses.replace(cfg.train, eval_pass_k=0))
+    with pytest.raises(RewardError, match=r"reward function 'test_grpo:broken' raised "
+                                          r"ZeroDivisionError: .* on row \d+; fix the function"):
+        train(cfg)

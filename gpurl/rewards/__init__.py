@@ -19,6 +19,10 @@ from gpurl.rewards.builtin import BUILTIN
 RewardFn = Callable[..., Sequence[float]]
 
 
+class RewardError(RuntimeError):
+    """A reward function raised or returned the wrong shape; the message names it and the row."""
+
+
 def resolve(name: str) -> RewardFn:
     """A built-in reward by name, or a user function written as "pkg.module:function"."""
     if name in BUILTIN:
@@ -64,10 +68,10 @@ def score(rewards: Sequence[Reward], prompts: Sequence[str], completions: Sequen
         except Exception as e:  # noqa: BLE001 - a user's function may raise anything
             row = _failing_row(reward, prompts, completions, metadata)
             where = f" on row {first_row + row}" if row is not None else ""
-            raise RuntimeError(f"reward function {reward.name!r} raised {type(e).__name__}: {e}"
+            raise RewardError(f"reward function {reward.name!r} raised {type(e).__name__}: {e}"
                                f"{where}; fix the function or the data.") from e
         if values.shape != (len(completions),):
-            raise RuntimeError(f"reward function {reward.name!r} returned {values.size} values "
+            raise RewardError(f"reward function {reward.name!r} returned {values.size} values "
                                f"for {len(completions)} completions; return one float each.")
         parts[reward.name] = values
         total += reward.weight * values

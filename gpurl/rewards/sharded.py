@@ -21,7 +21,7 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.models.tokenizer import Tokenizer
-from gpurl.rewards import Reward, score
+from gpurl.rewards import Reward, RewardError, score
 from gpurl.rollout.decode import truncate
 
 # Keys of a data row that are not metadata for the reward functions.
@@ -88,7 +88,7 @@ class ShardedScorer:
         try:
             total, parts = score(self.rewards, [r["prompt"] for r in rows], completions,
                                  metadata, first_row=int(ids_R[real[0]]))
-        except RuntimeError as e:  # names the function and the row
+        except RewardError as e:  # names the function and the row
             self._error = e
             return out
         out[real, 0] = total
