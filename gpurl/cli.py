@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import sys
 import typing
@@ -23,6 +24,7 @@ SUBCOMMANDS = {
     "generate": "generate [model=NAME] prompt=TEXT [n=4] (or prompts_file=F): print completions",
     "eval": "eval [model=NAME] [data=NAME] [checkpoint=RUN_DIR]: held-out accuracy and pass@k",
     "export": "export checkpoint=RUN_DIR out=DIR [step=N]: write an HF safetensors directory",
+    "plot": "plot RUN_DIR [RUN_DIR...] [out=FILE.png]: reward / loss / KL / eval curves (plot.png)",
 }
 # Hydra's own flags: they print or configure, so they skip gpurl's pre-validation.
 _HYDRA_INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i",
@@ -173,15 +175,95 @@ def _train_job(cfg_node: Any) -> Any:
     from gpurl.train.loop import train
 
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN and not any(
-            o.startswith("run.dir=") for o in hydra_cfg.overrides.task):
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if multirun and not any(o.startswith("run.dir=") for o in hydra_cfg.overrides.task):
         cfg_node.run.dir = hydra_cfg.runtime.output_dir  # one run directory per sweep job
+    if multirun and cfg_node.logger.group is None:
+        cfg_node.logger.group = Path(hydra_cfg.sweep.dir).name  # wandb groups a sweep's jobs
+    from gpurl.distributed import runtime
     from gpurl.rewards import RewardError
 
     try:
-        return train(to_config(cfg_node))
+        summary = train(to_config(cfg_node))
     except (ConfigError, RewardError) as e:
         _fail(str(e))
+    if multirun and runtime.is_main_process():
+        job = {"num": hydra_cfg.job.num, "overrides": list(hydra_cfg.overrides.task),
+               "run_dir": str(cfg_node.run.dir)}
+        (Path(hydra_cfg.runtime.output_dir) / SWEEP_JOB_FILE).write_text(json.dumps(job) + "\n")
+    return summary
+
+
+# ---------------------------------------------------------------- sweep summary
+
+SWEEP_JOB_FILE = "gpurl_job.json"  # in each sweep job's directory: its number, overrides, run dir
+
+
+def sweep_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """One row per finished job of a sweep: job number, the overrides that differ between
+    jobs (`overrides`), all of them (`all_overrides`), run dir and final eval figures."""
+    jobs = sorted((json.loads(p.read_text()) for p in Path(sweep_dir).rglob(SWEEP_JOB_FILE)),
+                  key=lambda job: job["num"])
+    common = set.intersection(*(set(job["overrides"]) for job in jobs)) if len(jobs) > 1 else set()
+    rows = []
+    for job in jobs:
+        summary_path = Path(job["run_dir"]) / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        rows.append({"job": job["num"],
+                     "overrides": " ".join(o for o in job["overrides"] if o not in common),
+                     "all_overrides": " ".join(job["overrides"]), "run_dir": job["run_dir"],
+                     **{k: v for k, v in summary.items() if k.startswith("eval/")}})
+    return rows
+
+
+def _eval_keys(rows: list[dict[str, Any]]) -> list[str]:
+    return sorted({k for r in rows for k in r if k.startswith("eval/")})
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of `sweep_rows` (eval figures to 4 significant digits)."""
+    keys = ["job", "overrides"] + _eval_keys(rows)
+    cells = [[(f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "-")))
+              for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()
+
+    return "\n".join([line(keys), line(["-" * w for w in widths])] + [line(c) for c in cells])
+
+
+def write_sweep_summary(sweep_dir: str | Path) -> Path | None:
+    """Prints the table of a sweep's jobs and writes it to `sweep_dir/summary.csv`."""
+    import csv
+
+    rows = sweep_rows(sweep_dir)
+    if not rows:
+        print(f"[gpurl] sweep {sweep_dir}: no finished job to summarize.", flush=True)
+        return None
+    out = Path(sweep_dir) / "summary.csv"
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, restval="", fieldnames=["job", "overrides", *_eval_keys(rows),
+                                                           "run_dir", "all_overrides"])
+        writer.writeheader()
+        writer.writerows(rows)
+    varying = rows[0]["overrides"].split()
+    common = [o for o in rows[0]["all_overrides"].split() if o not in varying]
+    shared = f"; every job: {' '.join(common)}" if common and len(rows) > 1 else ""
+    print(f"[gpurl] sweep summary ({len(rows)} jobs, also in {out}{shared}):\n"
+          f"{sweep_table(rows)}", flush=True)
+    return out
+
+
+def sweep_summary_callback() -> Any:
+    """Hydra callback (configs/config.yaml, hydra.callbacks): the table at the end of `-m`."""
+    from hydra.experimental.callback import Callback
+
+    class SweepSummary(Callback):
+        def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+            write_sweep_summary(config.hydra.sweep.dir)
+
+    return SweepSummary()
 
 
 def _generate_job(cfg_node: Any) -> None:
@@ -249,6 +331,24 @@ def _export(args: list[str]) -> None:
     print(f"[gpurl] exported {values['checkpoint']} to {out}")
 
 
+def _plot(args: list[str]) -> None:
+    from gpurl.train.plots import plot_runs
+
+    run_dirs = [a for a in args if not a.startswith("out=")]
+    outs = [a[len("out="):] for a in args if a.startswith("out=")]
+    if not run_dirs:
+        _fail("gpurl plot needs at least one run directory: gpurl plot RUN_DIR [RUN_DIR...] [out=FILE.png].")
+    out = outs[-1] if outs else "plot.png"
+    try:
+        written = plot_runs(run_dirs, out)
+    except ConfigError as e:
+        _fail(str(e))
+    if written is None:
+        _fail(f"{', '.join(run_dirs)}: no reward, loss, KL or eval metrics to plot; "
+              f"check that the runs logged steps to metrics.jsonl.")
+    print(f"[gpurl] wrote {written}")
+
+
 def _quote_free_text(arg: str) -> str:
     """`prompt=12 + 7 =` is free text, not Hydra grammar: pass it as one quoted string."""
     key, sep, value = arg.partition("=")
@@ -276,8 +376,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     command, rest = args[0], args[1:]
     if command not in SUBCOMMANDS:
         _fail(f"unknown command '{command}'; use one of: {', '.join(SUBCOMMANDS)}.")
-    if command == "export":
-        _export(rest)
+    if command in ("export", "plot"):
+        (_export if command == "export" else _plot)(rest)
         return
     if command == "generate":
         rest = [_quote_free_text(a) for a in rest]

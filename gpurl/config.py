@@ -358,8 +358,11 @@ class LoggerConfig:
     entity: Optional[str] = None  # wandb entity (team or user); null = your default
     mode: str = "auto"  # wandb mode: auto (online when WANDB_API_KEY is set, else offline), online, offline
     progress: bool = True  # show a progress bar on the console
+    group: Optional[str] = None  # wandb group; null = the sweep directory's name under `gpurl train -m`, else none
+    tags: list[str] = field(default_factory=list)  # wandb tags, e.g. [baseline,gemma]
 
     def __post_init__(self) -> None:
+        _tuplify(self)
         _choice("logger.name", self.name, LoggerName)
         _choice("logger.mode", self.mode, ("auto", "online", "offline"))
 

@@ -315,4 +315,19 @@ def train(cfg: Config) -> dict[str, Any]:
         print(f"[gpurl] held-out, before -> after {step} steps: {sink_line}", flush=True)
     if main:
         (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _write_curves(s.run_dir)
     return summary
+
+
+def _write_curves(run_dir: Path) -> None:
+    """curves.png is a by-product: a plotting failure must not fail a finished run."""
+    from gpurl.train.plots import write_curves
+
+    try:
+        path = write_curves(run_dir)
+    except Exception as e:  # noqa: BLE001 - matplotlib/font/disk errors alike
+        print(f"[gpurl] curves.png not written ({type(e).__name__}: {e}); "
+              f"run `gpurl plot {run_dir}` to retry.", flush=True)
+        return
+    if path is not None:
+        print(f"[gpurl] curves: {path}", flush=True)

@@ -6,9 +6,10 @@ never branches on the process index.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import secrets
+import string
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -20,6 +21,13 @@ def _fmt(value: float) -> str:
     return f"{value:.4g}"
 
 
+# Shown on the progress bar, in this order, when a step logs them: postfix name -> metric.
+BAR_METRICS = (("reward", "reward/mean"), ("loss", "loss"), ("tok/s", "tokens_per_s"),
+               ("eval_acc", "eval/accuracy"), ("eval_loss", "eval/loss"))
+BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}, ETA {remaining}, {rate_fmt}{postfix}"
+PHASES = ("time/rollout_s", "time/reward_s", "time/train_s", "time/sync_s")
+
+
 class MetricsSink:
     """Writes each step's scalars to every enabled destination."""
 
@@ -28,13 +36,16 @@ class MetricsSink:
         self.enabled = enabled
         self._bar = None
         self._bar_args = None
+        self._shown: dict[str, str] = {}
+        self._phase_totals = {k: 0.0 for k in PHASES}
+        self._phase_steps = 0
         self._wandb = None
         self._jsonl = None
         if not enabled:
             return
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        self._bar_args = (dict(total=total_steps, initial=start_step, desc="train",
-                               dynamic_ncols=True, file=sys.stderr,
+        self._bar_args = (dict(total=total_steps, initial=start_step, desc="step",
+                               bar_format=BAR_FORMAT, dynamic_ncols=True, file=sys.stderr,
                                mininterval=0.5 if sys.stderr.isatty() else 10.0)
                           if cfg.progress else None)
         if cfg.name == LoggerName.WANDB.value:
@@ -47,9 +58,14 @@ class MetricsSink:
         self._jsonl.write(json.dumps(row) + "\n")
         if self._wandb is not None:
             self._wandb.log(dict(metrics), step=step)
+        if PHASES[0] in metrics:
+            self._phase_steps += 1
+            for k in PHASES:
+                self._phase_totals[k] += float(metrics.get(k, 0.0))
         if self._bar is not None:
-            shown = {k: _fmt(v) for k, v in metrics.items() if k in ("loss", "eval/loss", "lr")}
-            self._bar.set_postfix(shown, refresh=False)
+            self._shown.update({name: _fmt(metrics[k]) for name, k in BAR_METRICS if k in metrics})
+            self._bar.set_postfix({n: self._shown[n] for n, _ in BAR_METRICS if n in self._shown},
+                                  refresh=False)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is None and self._bar_args is not None:
@@ -68,23 +84,52 @@ class MetricsSink:
         else:
             print(text, file=sys.stderr, flush=True)
 
+    def phase_summary(self) -> str | None:
+        """Mean seconds per step of each RL phase over this session's steps."""
+        if not self._phase_steps:
+            return None
+        parts = [f"{k[5:-2]} {self._phase_totals[k] / self._phase_steps:.2f} s" for k in PHASES]
+        return f"[gpurl] mean time per step ({self._phase_steps} steps): " + ", ".join(parts)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
+        line = self.phase_summary() if self.enabled else None
+        if line:
+            print(line, file=sys.stderr, flush=True)
         if self._jsonl is not None:
             self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
 
 
-def _start_wandb(cfg: LoggerConfig, run_dir: Path, config: Mapping[str, Any]):
-    import wandb
+WANDB_ID_FILE = "wandb_id"  # in run.dir: the wandb run id, so a resumed run continues it
 
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The run's wandb id: read from run.dir, or created and stored there on first use."""
+    path = run_dir / WANDB_ID_FILE
+    if path.exists() and path.read_text().strip():
+        return path.read_text().strip()
+    alphabet = string.ascii_lowercase + string.digits  # wandb's run-id alphabet
+    run_id = "".join(secrets.choice(alphabet) for _ in range(8))
+    path.write_text(run_id + "\n")
+    return run_id
+
+
+def wandb_init_kwargs(cfg: LoggerConfig, run_dir: Path, config: Mapping[str, Any]) -> dict[str, Any]:
+    """Arguments of `wandb.init`, all from the config (and the run's stored id)."""
     mode = cfg.mode
     if mode == "auto":
         mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    # The run id is derived from run.dir, so a resumed run continues the same wandb run.
-    run_id = "gpurl-" + hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
-    return wandb.init(project=cfg.project, entity=cfg.entity, dir=str(run_dir), mode=mode,
-                      name=config.get("run", {}).get("name") or run_dir.name,
-                      config=dict(config), id=run_id, resume="allow")
+    return dict(project=cfg.project, entity=cfg.entity, group=cfg.group, tags=list(cfg.tags),
+                name=config.get("run", {}).get("name") or run_dir.resolve().name,
+                dir=str(run_dir), mode=mode, config=dict(config),
+                id=wandb_run_id(run_dir), resume="allow")
+
+
+def _start_wandb(cfg: LoggerConfig, run_dir: Path, config: Mapping[str, Any]):
+    import wandb
+
+    return wandb.init(**wandb_init_kwargs(cfg, run_dir, config))
