@@ -358,6 +358,17 @@ def _quote_free_text(arg: str) -> str:
     return f"prompt='{escaped}'"
 
 
+def _check_launcher(args: list[str]) -> None:
+    """`hydra/launcher=slurm` (or submitit_*) needs an optional plugin: say so in one line."""
+    import importlib.util
+
+    launcher = next((a.partition("=")[2] for a in args if a.startswith("hydra/launcher=")), "")
+    if (launcher == "slurm" or launcher.startswith("submitit")) and importlib.util.find_spec(
+            "hydra_plugins.hydra_submitit_launcher") is None:
+        _fail(f"hydra/launcher={launcher} needs the submitit launcher plugin; install it with "
+              f"pip install -e '.[slurm]'.")
+
+
 def _usage() -> str:
     lines = [f"usage: gpurl COMMAND [overrides]   (gpurl {gpurl.__version__})", "", "commands:"]
     lines += [f"  {name:<10} {text}" for name, text in SUBCOMMANDS.items()]
@@ -382,6 +393,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if command == "generate":
         rest = [_quote_free_text(a) for a in rest]
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    _check_launcher(rest)
     if not any(a.split("=")[0] in _HYDRA_INFO_FLAGS for a in rest):
         try:
             validate([a for a in rest if a not in ("-m", "--multirun")], APPS[command])
