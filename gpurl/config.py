@@ -29,6 +29,9 @@ class AlgoName(str, enum.Enum):
     DAPO = "dapo"
     DRGRPO = "drgrpo"
     RLOO = "rloo"
+    DPO = "dpo"
+    SIMPO = "simpo"
+    ORPO = "orpo"
 
 
 class LoggerName(str, enum.Enum):
@@ -69,16 +72,21 @@ def _tuplify(obj: Any) -> None:
 
 
 RL_ALGOS = ("grpo", "gspo", "dapo", "drgrpo", "rloo")
+# Learn from (prompt, chosen, rejected) pairs; only dpo needs a reference model.
+PREFERENCE_ALGOS = ("dpo", "simpo", "orpo")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 
 
 @dataclass(frozen=True)
 class AlgoConfig:
     """The objective. Presets in configs/algo/ carry each paper's published values."""
 
-    name: str = "sft"  # sft, grpo, gspo, dapo, drgrpo, rloo
-    label_smoothing: float = 0.0  # SFT: cross-entropy label smoothing in [0, 1)
+    name: str = "sft"  # sft, grpo, gspo, dapo, drgrpo, rloo, dpo, simpo, orpo
+    # SFT: cross-entropy label smoothing in [0, 1); dpo (sigmoid) and simpo: the share
+    # eps in [0, 0.5) of pairs assumed flipped (conservative DPO, Mitchell 2023)
+    label_smoothing: float = 0.0
     num_generations: int = 8  # RL: completions G sampled per prompt
-    beta: float = 0.0  # KL coefficient to the frozen reference; 0 = no reference forward pass
+    beta: float = 0.0  # RL: KL coefficient to the frozen reference (0 = no reference pass); dpo, simpo: reward scale
     kl_estimator: str = "k3"  # k1, k2 or k3 (Schulman 2020)
     kl_in_reward: bool = False  # subtract beta * KL from the reward instead of adding it to the loss
     epsilon: float = 0.2  # ratio clip: lower bound 1 - epsilon
@@ -94,6 +102,9 @@ class AlgoConfig:
     max_refills: int = 4  # dynamic sampling: extra rollout rounds per step at most
     overlong_buffer: int = 0  # DAPO overlong shaping: penalty ramps over the last N tokens; 0 = off
     overlong_penalty: float = 1.0  # DAPO overlong shaping: penalty at the length limit
+    dpo_loss: str = "sigmoid"  # dpo: sigmoid (Rafailov 2023), ipo (Azar 2023) or hinge (SLiC, Zhao 2023)
+    simpo_gamma: float = 0.5  # simpo: target reward margin gamma (Meng 2024)
+    orpo_lambda: float = 0.1  # orpo: weight lambda of the odds-ratio term beside the chosen NLL (Hong 2024)
 
     def __post_init__(self) -> None:
         from gpurl.algorithms.common import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS
@@ -115,6 +126,18 @@ class AlgoConfig:
                               f"compare; use at least 2.")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ConfigError(f"algo.dual_clip={self.dual_clip} must exceed 1; use e.g. 3 or null.")
+        _choice("algo.dpo_loss", self.dpo_loss, DPO_LOSSES)
+        _positive("algo.simpo_gamma", self.simpo_gamma, allow_zero=True)
+        _positive("algo.orpo_lambda", self.orpo_lambda, allow_zero=True)
+        if self.name in ("dpo", "simpo"):
+            _positive("algo.beta", self.beta)
+        if self.name in PREFERENCE_ALGOS and self.label_smoothing:
+            smoothed = self.name == "simpo" or (self.name == "dpo" and self.dpo_loss == "sigmoid")
+            if not smoothed or self.label_smoothing >= 0.5:
+                raise ConfigError(
+                    f"algo.label_smoothing={self.label_smoothing} is not valid for algo={self.name}"
+                    f"{' algo.dpo_loss=' + self.dpo_loss if self.name == 'dpo' else ''}; it needs "
+                    f"algo.dpo_loss=sigmoid or algo=simpo and a value in [0, 0.5).")
 
     @property
     def clip_high(self) -> float:
@@ -187,8 +210,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = "arithmetic"  # source: arithmetic or countdown (generated), gsm8k or jsonl (+ data.path)
-    path: Optional[str] = None  # jsonl rows {"prompt"[,"completion"]} or {"messages"}; gsm8k rows {"question","answer"}
+    name: str = "arithmetic"  # source: arithmetic, arithmetic_prefs or countdown (generated), gsm8k or jsonl (+ data.path)
+    # jsonl rows {"prompt"[,"completion"]} or {"messages"}; gsm8k rows {"question","answer"};
+    # for dpo, simpo and orpo jsonl rows {"prompt","chosen","rejected"}
+    path: Optional[str] = None
     eval_path: Optional[str] = None  # held-out jsonl; null = hold out data.num_eval rows of path
     max_len: int = 64  # tokens per row; longer examples are truncated (counted in the log)
     packing: bool = False  # pack several examples into one row (attention stays per example)
@@ -203,10 +228,11 @@ class DataConfig:
     countdown_numbers: int = 3  # countdown: numbers given per problem (2 to 6)
     countdown_max: int = 20  # countdown: numbers are drawn from 1..countdown_max
     prompt_template: Optional[str] = None  # gsm8k: prompt with {question}; null = "Question: {question}\nAnswer:"
+    append_eos: bool = True  # preference pairs: end chosen and rejected with the EOS token (as SFT completions)
 
     def __post_init__(self) -> None:
         _tuplify(self)
-        _choice("data.name", self.name, ("arithmetic", "countdown", "gsm8k", "jsonl"))
+        _choice("data.name", self.name, ("arithmetic", "countdown", "gsm8k", "jsonl", "arithmetic_prefs"))
         if self.name in ("jsonl", "gsm8k") and not self.path:
             raise ConfigError(f"data={self.name} needs a file; set data.path=/path/to/train.jsonl.")
         _positive("data.max_len", self.max_len)

@@ -1,7 +1,9 @@
 """Algorithms as pure objectives over arrays, looked up by `algo.name`.
 
 GRPO, GSPO, DAPO, Dr. GRPO and RLOO are one objective (`grpo.grpo_objective`) whose
-terms are chosen by config; the presets in configs/algo/ set each paper's values.
+terms are chosen by config; DPO (with IPO / hinge / conservative losses), SimPO and ORPO
+are another (`dpo.preference_objective`); the presets in configs/algo/ set each paper's
+values.
 """
 
 from __future__ import annotations
@@ -9,9 +11,10 @@ from __future__ import annotations
 from typing import Callable
 
 from gpurl.algorithms.common import Objective
+from gpurl.algorithms.dpo import preference_objective
 from gpurl.algorithms.grpo import grpo_objective
 from gpurl.algorithms.sft import sft_objective
-from gpurl.config import RL_ALGOS, AlgoName, Config, ConfigError
+from gpurl.config import PREFERENCE_ALGOS, RL_ALGOS, AlgoName, Config, ConfigError
 
 
 def _grpo(cfg: Config) -> Objective:
@@ -21,12 +24,18 @@ def _grpo(cfg: Config) -> Objective:
 OBJECTIVES: dict[str, Callable[[Config], Objective]] = {
     AlgoName.SFT.value: lambda cfg: sft_objective(cfg.algo),
     **{name: _grpo for name in RL_ALGOS},
+    **{name: (lambda cfg: preference_objective(cfg.algo)) for name in PREFERENCE_ALGOS},
 }
 
 
 def is_rl(cfg: Config) -> bool:
     """Whether the algorithm learns from sampled completions and rewards."""
     return cfg.algo.name in RL_ALGOS
+
+
+def is_preference(cfg: Config) -> bool:
+    """Whether the algorithm learns from (prompt, chosen, rejected) pairs."""
+    return cfg.algo.name in PREFERENCE_ALGOS
 
 
 def objective(cfg: Config) -> Objective:

@@ -26,7 +26,8 @@ GSM8K_TEMPLATE = "Question: {question}\nAnswer:"
 # Reward functions of each source when a run names none (see gpurl.rewards.builtin).
 # Few-shot arithmetic completions start with the answer, then invent more example lines.
 TASK_REWARDS: dict[str, list[str]] = {
-    "arithmetic": ["first_number_match"], "countdown": ["countdown"],
+    "arithmetic": ["first_number_match"], "arithmetic_prefs": ["first_number_match"],
+    "countdown": ["countdown"],
     "gsm8k": ["numeric_match"], "jsonl": ["numeric_match"]}
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -113,7 +114,8 @@ def _gsm8k_rows(cfg: DataConfig, need_completion: bool) -> tuple[list[dict], lis
 
 
 _SOURCES: dict[str, Callable[[DataConfig, bool], tuple[list[dict], list[dict]]]] = {
-    "arithmetic": _task_rows, "countdown": _task_rows, "gsm8k": _gsm8k_rows,
+    "arithmetic": _task_rows, "arithmetic_prefs": _task_rows, "countdown": _task_rows,
+    "gsm8k": _gsm8k_rows,
     "jsonl": _jsonl_rows}
 
 

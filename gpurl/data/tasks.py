@@ -61,6 +61,25 @@ def arithmetic(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict
     ]
 
 
+def arithmetic_prefs(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict]:
+    """The `arithmetic` items as preference pairs: "chosen" is the correct completion, and
+    "rejected" a plausible wrong answer, off by 1 to 10 either way (10 is the dropped carry
+    of two-digit + one-digit addition), never negative: {"prompt": "27 + 5 =",
+    "completion": " 32", "answer": "32", "chosen": " 32", "rejected": " 29"}.
+
+    The offsets come from a stream of their own (prefix-stable in `num` like the items), so
+    the problems and the split equal those of `arithmetic` with the same seed."""
+    items = arithmetic(num, seed, cfg)
+    draw_N = np.random.default_rng([seed, 2]).integers(0, 20, num)
+    offset_N = np.where(draw_N < 10, -(draw_N + 1), draw_N - 9)
+    pairs = []
+    for item, offset in zip(items, offset_N.tolist()):
+        right = int(item["answer"])
+        wrong = right + offset if right + offset >= 0 else right - offset
+        pairs.append({**item, "chosen": item["completion"], "rejected": f" {wrong}"})
+    return pairs
+
+
 class _Expr(NamedTuple):
     text: str
     value: int
@@ -130,4 +149,4 @@ def countdown(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict]
 
 
 TASKS: dict[str, Callable[[int, int, DataConfig], list[dict]]] = {
-    "arithmetic": arithmetic, "countdown": countdown}
+    "arithmetic": arithmetic, "arithmetic_prefs": arithmetic_prefs, "countdown": countdown}

@@ -171,6 +171,9 @@ def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
     if algorithms.is_rl(cfg):
         return _Session(**common, **_rl_parts(cfg, spec, tokenizer, place, step_fn, init),
                         eval_at_start=True), init
+    if algorithms.is_preference(cfg):
+        return _Session(**common, **_preference_parts(cfg, spec, tokenizer, place, step_fn, init),
+                        eval_at_start=True), init
     train_examples, eval_examples = load_examples(cfg.data)
     train_rows = encode_sft(train_examples, tokenizer, cfg.data)
     eval_rows = encode_sft(eval_examples, tokenizer, cfg.data) if eval_examples else None
@@ -205,6 +208,16 @@ def _rl_parts(cfg: Config, spec, tokenizer, place: Placement, step_fn, init) -> 
                 describe=(f"{len(train)} train prompts, {len(evals) if evals else 0} eval prompts "
                           f"({skipped + eval_skipped} longer than data.max_len skipped), "
                           f"G={cfg.algo.num_generations}, rewards: {reward_names}"))
+
+
+def _preference_parts(cfg: Config, spec, tokenizer, place: Placement, step_fn,
+                      init) -> dict[str, Any]:
+    """The DPO / SimPO / ORPO pieces of a session: pairs, reference model, evaluation."""
+    from gpurl.train.preference import PreferenceStepper
+
+    stepper = PreferenceStepper(cfg, spec, tokenizer, place, step_fn, init)
+    return dict(advance=stepper.step, evaluate=stepper.evaluate if stepper.evals else None,
+                describe=stepper.describe())
 
 
 def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, int, bool]:
