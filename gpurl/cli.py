@@ -182,10 +182,11 @@ def _train_job(cfg_node: Any) -> Any:
         cfg_node.logger.group = Path(hydra_cfg.sweep.dir).name  # wandb groups a sweep's jobs
     from gpurl.distributed import runtime
     from gpurl.rewards import RewardError
+    from gpurl.train.step import NonFiniteError
 
     try:
         summary = train(to_config(cfg_node))
-    except (ConfigError, RewardError) as e:
+    except (ConfigError, RewardError, NonFiniteError) as e:
         _fail(str(e))
     if multirun and runtime.is_main_process():
         job = {"num": hydra_cfg.job.num, "overrides": list(hydra_cfg.overrides.task),

@@ -303,8 +303,12 @@ class TrainConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     log_every: int = 1  # write metrics every N steps
     eval_pass_k: int = 4  # RL eval: samples per held-out prompt for pass@k (rollout temperature); 0 = greedy only
+    # a NaN or infinite loss or gradient norm: stop (end the run naming the step; the last
+    # checkpoint stays the newest) or skip (leave that update out, count it in nonfinite_skipped)
+    on_nonfinite: str = "stop"
 
     def __post_init__(self) -> None:
+        _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         for key in ("steps", "batch_size", "eval_batch_size", "keep_checkpoints", "log_every"):
             _positive(f"train.{key}", getattr(self, key))
         for key in ("micro_batch_size", "eval_every", "checkpoint_every", "eval_pass_k"):
@@ -430,12 +434,20 @@ class Config:
     # Eval accuracy counts a completion correct when the FIRST function gives it >= 1.
     rewards: list[str] = field(default_factory=list)
     reward_weights: list[float] = field(default_factory=list)  # one weight per reward; [] = all 1
+    # a reward function that raises, returns the wrong number of scores or times out: stop
+    # (end the run naming it and the row) or zero (score those rows 0, counted in reward/errors)
+    rewards_on_error: str = "stop"
+    # seconds one call of a reward function (one shard's rows) may take before it counts as
+    # failed; 0 = no limit. A timed-out call's thread cannot be killed and runs on unobserved.
+    reward_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _tuplify(self)
         if self.reward_weights and len(self.reward_weights) != len(self.rewards):
             raise ConfigError(f"{len(self.rewards)} rewards but {len(self.reward_weights)} "
                               f"reward_weights; give one weight per reward function.")
+        _choice("rewards_on_error", self.rewards_on_error, ("stop", "zero"))
+        _positive("reward_timeout_s", self.reward_timeout_s, allow_zero=True)
 
 
 @dataclass(frozen=True)

@@ -147,3 +147,35 @@ def test_killed_process_stops_the_others_within_60s(tmp_path):
         raise AssertionError("process 0 still running 60 s after process 1 was killed")
     assert procs[0].returncode != 0
     assert time.time() - killed_at < 60
+
+
+def test_sigterm_to_one_process_saves_one_checkpoint_and_all_exit_0(tmp_path):
+    """Preemption reaches processes at different moments; SIGTERM to process 1 alone makes
+    both processes stop after the same step, write that checkpoint together, and exit 0."""
+    import signal
+    import time
+
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    args = [a for a in ARGS if not a.startswith(("train.steps=", "train.checkpoint_every=",
+                                                 "train.eval_every="))]
+    args += ["train.steps=500", "train.checkpoint_every=0", "train.eval_every=0"]
+    run = tmp_path / "run"
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "gpurl.cli", "train", *args, f"run.dir={run}",
+         f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+         f"distributed.process_id={i}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert all(p.poll() is None for p in procs), procs[0].communicate()[0]
+        assert time.time() < deadline, "the run never reached step 3"
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    steps = [int(p.name) for p in (run / "checkpoints").iterdir()]
+    assert len(steps) == 1 and 3 <= steps[0] < 500, steps
+    assert f"SIGTERM: saved a checkpoint at step {steps[0]}" in outputs[0]
+    assert not (run / "summary.json").exists()

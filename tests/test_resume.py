@@ -1,107 +1,150 @@
-"""Crash and resume with real processes: `gpurl train` stopped by SIGTERM (graceful) and
-by SIGKILL (a crash), rerun with the same command, ends with exactly the parameters of
-an uninterrupted run."""
+"""Crash and resume with real processes: `gpurl train` stopped by SIGTERM (preemption: it
+saves and exits 0) and by SIGKILL at any moment, also while a checkpoint is being
+written, then rerun with the same command, ends with exactly the parameters and metrics
+of an uninterrupted run (SFT and GRPO)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
 
-from gpurl.config import MeshConfig
-from gpurl.distributed.mesh import trainer_mesh
-from gpurl.models import model_spec
-from gpurl.train.checkpoint import Checkpointer
-from gpurl.train.optim import make_optimizer
-from conftest import make_config
+from gpurl.train.export import restore_run
+from test_multiprocess import GRPO_ARGS
 
-STEPS = 60
+TESTS = Path(__file__).parent
+STEPS = 40
 # SFT on the tiny model (the command line's defaults are the real-model GRPO job).
 ARGS = ["algo=sft", "model=tiny", "data=arithmetic", "optim=adamw", "train=default",
         "rollout=default", "model.d_model=32", "model.mlp_dim=64", "model.head_dim=8", "model.dtype=float32",
         "data.num_train=200", "data.num_eval=0", "train.batch_size=8",
         "train.micro_batch_size=4", f"train.steps={STEPS}", "train.checkpoint_every=10",
-        "train.keep_checkpoints=10", "optim.weight_decay=0.01"]
+        "train.keep_checkpoints=10", "optim.weight_decay=0.01", "logger.progress=false"]
+GRPO_STEPS = 6
+GRPO = [a for a in GRPO_ARGS
+        if not a.startswith(("train.steps=", "train.checkpoint_every=", "data.num_eval="))] + [
+    f"train.steps={GRPO_STEPS}", "train.checkpoint_every=2", "train.keep_checkpoints=5",
+    "data.num_eval=0", "train.eval_pass_k=0"]
 
 
-def _cmd(run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "gpurl.cli", "train", *ARGS, f"run.dir={run_dir}"]
+def _start(args: list[str], run_dir: Path, commits: Path | None = None) -> subprocess.Popen:
+    """`gpurl train`; with `commits`, every checkpoint commit is held open (slow_commit.py)."""
+    entry = [str(TESTS / "slow_commit.py")] if commits else ["-m", "gpurl.cli"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    if commits:
+        commits.mkdir(exist_ok=True)
+        env.update(GPURL_TEST_COMMIT_DIR=str(commits), GPURL_TEST_COMMIT_DELAY_S="3")
+    return subprocess.Popen([sys.executable, *entry, "train", *args, f"run.dir={run_dir}"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    return env
-
-
-def _run_until_checkpoint(run_dir: Path, sig: int) -> subprocess.CompletedProcess:
-    """Starts a run, sends `sig` as soon as its first checkpoint is complete."""
-    proc = subprocess.Popen(_cmd(run_dir), env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 240
-    while not (run_dir / "checkpoints" / "10").is_dir():
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.time() < deadline
+def _wait(proc: subprocess.Popen, ready: Callable[[], bool], what: str) -> None:
+    deadline = time.time() + 300
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before {what}:\n{proc.stdout.read()}")
+        assert time.time() < deadline, f"no {what} within 300 s"
         time.sleep(0.01)
-    proc.send_signal(sig)
+
+
+def _finished(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def _temporary(run_dir: Path) -> list[str]:
+    return [p.name for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
+
+
+def _sigterm_after(args: list[str], run_dir: Path, step: int) -> int:
+    """Sends SIGTERM once checkpoint `step` is complete; returns the step it saved at."""
+    proc = _start(args, run_dir)
+    _wait(proc, lambda: (run_dir / "checkpoints" / str(step)).is_dir(), f"checkpoint {step}")
+    proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+    assert proc.returncode == 0, out
+    saved = max(_finished(run_dir))
+    assert f"SIGTERM: saved a checkpoint at step {saved}; rerun to resume." in out
+    assert not (run_dir / "summary.json").exists()
+    return saved
 
 
-def _final_params(run_dir: Path):
-    cfg = make_config(model={"d_model": 32, "mlp_dim": 64, "head_dim": 8, "vocab_size": 259,
-                             "dtype": "float32"})
-    spec = model_spec(cfg.model)
-    optimizer = make_optimizer(cfg.optim, STEPS)
-    from gpurl.train.step import placement
-    place = placement(spec, optimizer, trainer_mesh(MeshConfig(data=1), jax.devices()[:1]),
-                      cfg.mesh.train_rules)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=10)
-    assert ckpt.latest_step() == STEPS
-    state, meta = ckpt.restore(STEPS, place.abstract_state, place.state)
-    assert meta["step"] == STEPS and meta["examples_seen"] == STEPS * 8
-    return jax.device_get(state)
+def _kill_mid_save(args: list[str], run_dir: Path, after: int, committing: bool) -> None:
+    """SIGKILL while the first checkpoint past `after` is written: as soon as its temporary
+    directory appears (arrays half written) or, with `committing`, once every array is on
+    disk but before the commit. The finished checkpoints must stay as they were."""
+    commits = run_dir.parent / f"commits-{run_dir.name}"
+    proc = _start(args, run_dir, commits)
+    before = _finished(run_dir)
 
+    def saving() -> bool:
+        names = [p.name for p in commits.iterdir()] if committing else _temporary(run_dir)
+        return any(n.split(".")[0].isdigit() and int(n.split(".")[0]) > after for n in names)
 
-def test_kill_and_rerun_resumes_exactly(tmp_path):
-    straight = tmp_path / "straight"
-    done = subprocess.run(_cmd(straight), env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-
-    crashed = tmp_path / "crashed"
-    term = _run_until_checkpoint(crashed, signal.SIGTERM)
-    assert term.returncode == 143, term.stdout
-    assert "SIGTERM: saved a checkpoint" in term.stdout
-    assert not (crashed / "summary.json").exists()
-
-    # Second interruption: a hard crash after the next checkpoint.
-    proc = subprocess.Popen(_cmd(crashed), env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    first = max(int(p.name) for p in (crashed / "checkpoints").iterdir() if p.name.isdigit())
-    while not any(p.name.isdigit() and int(p.name) > first
-                  for p in (crashed / "checkpoints").iterdir()):
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.01)
+    _wait(proc, saving, "checkpoint being written")
     proc.kill()
     out, _ = proc.communicate(timeout=60)
-    assert f"resuming from step {first}" in out
-    assert not (crashed / "summary.json").exists()
+    assert f"resuming from step {after}" in out, out
+    assert _finished(run_dir) == before and _temporary(run_dir), (_finished(run_dir), out)
+    assert not (run_dir / "summary.json").exists()
 
-    final = subprocess.run(_cmd(crashed), env=_env(), capture_output=True, text=True, timeout=300)
-    assert final.returncode == 0, final.stderr
-    assert "resuming from step" in final.stderr
-    resumed_at = int(final.stderr.split("resuming from step ")[1].split(",")[0])
-    assert 0 < resumed_at < STEPS
 
-    a, b = _final_params(straight), _final_params(crashed)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(x, y)
-    steps = [int(line.split('"step": ')[1].split(",")[0])
-             for line in (crashed / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, STEPS + 1))  # rows after the checkpoint were not duplicated
+def _run_through(args: list[str], run_dir: Path, proc: subprocess.Popen | None = None) -> str:
+    proc = proc or _start(args, run_dir)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out
+    return out
+
+
+def _rerun(args: list[str], run_dir: Path, resumed_at: int) -> None:
+    out = _run_through(args, run_dir)
+    assert f"resuming from step {resumed_at}," in out
+    assert _temporary(run_dir) == []  # the cut-short save was cleaned up
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_params(a_dir: Path, b_dir: Path) -> None:
+    (_, a), (_, b) = restore_run(a_dir), restore_run(b_dir)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_sft_sigterm_and_kills_mid_save_resume_exactly(tmp_path):
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    uninterrupted = _start(ARGS, straight)  # alongside the interrupted runs
+    saved = _sigterm_after(ARGS, crashed, 10)
+    _kill_mid_save(ARGS, crashed, saved, committing=False)
+    _kill_mid_save(ARGS, crashed, saved, committing=True)
+    _rerun(ARGS, crashed, resumed_at=saved)
+    _run_through(ARGS, straight, uninterrupted)
+
+    _assert_same_params(straight, crashed)
+    rows = _metrics(crashed)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # nothing logged twice
+    assert [r["loss"] for r in rows] == [r["loss"] for r in _metrics(straight)]
+
+
+def test_grpo_sigterm_and_kill_mid_save_resume_exactly(tmp_path):
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    uninterrupted = _start(GRPO, straight)
+    saved = _sigterm_after(GRPO, crashed, 2)
+    _kill_mid_save(GRPO, crashed, saved, committing=True)
+    _rerun(GRPO, crashed, resumed_at=saved)
+    _run_through(GRPO, straight, uninterrupted)
+
+    _assert_same_params(straight, crashed)
+    keys = ("reward/mean", "loss", "kl", "grad_norm")
+    a = [{k: r[k] for k in keys} for r in _metrics(straight) if "loss" in r]
+    b = [{k: r[k] for k in keys} for r in _metrics(crashed) if "loss" in r]
+    assert len(a) == GRPO_STEPS and a == b

@@ -12,6 +12,7 @@ import socket
 import time
 
 import jax
+import numpy as np
 
 from gpurl.config import ConfigError, DistributedConfig
 
@@ -95,3 +96,13 @@ def process_index() -> int:
 
 def process_count() -> int:
     return jax.process_count()
+
+
+def any_process(flag: bool) -> bool:
+    """True when `flag` is set in any process (a collective: every process must call it at
+    the same point); free with one process."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))

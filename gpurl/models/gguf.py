@@ -39,6 +39,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
             10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _CHUNK_VALUES = 1 << 22  # values dequantized at once (16 MB of float32)
+_MAX_NESTING = 8  # metadata arrays of arrays: real files nest at most once
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,8 @@ def _unsupported(entry: TensorEntry, kind: str, path: str) -> ConfigError:
 
 
 class _Cursor:
-    """Sequential little-endian reads from the memory map."""
+    """Sequential little-endian reads from the memory map; every length and count is
+    checked against the bytes left, so a damaged header fails fast with a ValueError."""
 
     def __init__(self, buf: mmap.mmap) -> None:
         self.buf, self.pos = buf, 0
@@ -113,25 +116,36 @@ class _Cursor:
         self.pos += struct.calcsize(fmt)
         return value
 
+    def count(self, fmt: str, item_bytes: int, what: str) -> int:
+        """A count of items that take at least `item_bytes` each and must fit the file."""
+        n = self.scalar(fmt)
+        if n * item_bytes > len(self.buf) - self.pos:
+            raise ValueError(f"{n} {what} at byte {self.pos} run past the end of the file")
+        return n
+
     def string(self) -> str:
-        n = self.scalar("<Q")
+        n = self.count("<Q", 1, "string bytes")
         self.pos += n
         return self.buf[self.pos - n:self.pos].decode("utf-8")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype != _ARRAY:
             raise ValueError(f"unknown metadata value type {vtype}")
-        etype, count = self.scalar("<I"), self.scalar("<Q")
+        if depth >= _MAX_NESTING:
+            raise ValueError(f"metadata arrays nested more than {_MAX_NESTING} deep")
+        etype = self.scalar("<I")
         if etype in _SCALARS:  # numbers in bulk: the vocabulary's scores and token types
             dtype = np.dtype(_SCALARS[etype].replace("?", "b1"))
+            count = self.count("<Q", dtype.itemsize, "array values")
             out = np.frombuffer(self.buf, dtype, count, self.pos).copy()
             self.pos += out.nbytes
             return out
-        return [self.value(etype) for _ in range(count)]
+        count = self.count("<Q", 8 if etype == _STRING else 12, "array values")
+        return [self.value(etype, depth + 1) for _ in range(count)]
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
@@ -146,9 +160,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         return _parse(path, buf)
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is a damaged or unsupported GGUF file ({e}); "
-                          "download it again or convert it with a recent llama.cpp.") from e
+    except (struct.error, ValueError, UnicodeDecodeError, OverflowError) as e:
+        raise ConfigError(f"{path} is a damaged or unsupported GGUF file ({str(e)[:200]}); "
+                          "download it again or convert it with a recent llama.cpp.") from None
 
 
 def _parse(path: str, buf: mmap.mmap) -> GGUFFile:
@@ -157,7 +171,8 @@ def _parse(path: str, buf: mmap.mmap) -> GGUFFile:
     version = cur.scalar("<I")
     if version not in _VERSIONS:
         raise ValueError(f"GGUF version {version}; this reader handles versions 2 and 3")
-    tensor_count, kv_count = cur.scalar("<Q"), cur.scalar("<Q")
+    tensor_count = cur.count("<Q", 24, "tensor entries")  # name length, dims, type, offset
+    kv_count = cur.count("<Q", 12, "metadata entries")  # key length, value type
     metadata = {}
     for _ in range(kv_count):
         key = cur.string()
@@ -165,11 +180,34 @@ def _parse(path: str, buf: mmap.mmap) -> GGUFFile:
     tensors = {}
     for _ in range(tensor_count):
         name = cur.string()
-        dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
+        n_dims = cur.scalar("<I")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ValueError(f"tensor {name[:60]!r} has {n_dims} dimensions")
+        dims = [cur.scalar("<Q") for _ in range(n_dims)]
         ggml_type, offset = cur.scalar("<I"), cur.scalar("<Q")
+        if min(dims) == 0:
+            raise ValueError(f"tensor {name[:60]!r} has an empty dimension {dims}")
         tensors[name] = TensorEntry(name, tuple(reversed(dims)), ggml_type, offset)
-    align = int(metadata.get("general.alignment", 32))
-    return GGUFFile(path, metadata, tensors, -(-cur.pos // align) * align, buf)
+    align = metadata.get("general.alignment", 32)
+    if type(align) is not int or not 1 <= align <= 1 << 20:
+        raise ValueError(f"general.alignment={str(align)[:20]} is not a positive integer")
+    data_start = -(-cur.pos // align) * align
+    for entry in tensors.values():
+        _check_extent(entry, data_start, len(buf))
+    return GGUFFile(path, metadata, tensors, data_start, buf)
+
+
+def _check_extent(entry: TensorEntry, data_start: int, file_bytes: int) -> None:
+    """A tensor of a known type lies inside the file (unknown types are refused when the
+    tensor is used, with the list of supported ones)."""
+    try:
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(entry.ggml_type)]
+    except (ValueError, KeyError):
+        return
+    rows, cols = math.prod(entry.shape[:-1]), entry.shape[-1]
+    if cols % block or data_start + entry.offset + rows * cols // block * block_bytes > file_bytes:
+        raise ValueError(f"tensor {entry.name[:60]!r} ({list(entry.shape)}, type "
+                         f"{entry.ggml_type}) does not fit the file (truncated?)")
 
 
 # ------------------------------------------------------------------------ architecture
@@ -189,14 +227,36 @@ class _Meta:
         if isinstance(value, np.ndarray):
             raise ConfigError(f"{self.gguf.path} gives {self.arch}.{key} per layer, which gpurl "
                               "does not support; use a model with the same value in every layer.")
+        if value is not None and not _is_kind(value, kind):
+            raise ConfigError(f"{self.gguf.path} gives {self.arch}.{key} as "
+                              f"{type(value).__name__} {str(value)[:40]!r}, not a {kind.__name__}; "
+                              "the file is damaged, download or convert it again.")
         # float32 metadata: 9.99999997e-07 becomes the 1e-06 the model was trained with
         return None if value is None else kind(str(np.float32(value)) if kind is float else value)
+
+    def size(self, key: str, default: Any = ...) -> int:
+        """A dimension or count: an integer of at least 1."""
+        value = self.get(key, default)
+        if value < 1:
+            raise ConfigError(f"{self.gguf.path} gives {self.arch}.{key}={value}, not a size of "
+                              "at least 1; the file is damaged, download or convert it again.")
+        return value
+
+
+def _is_kind(value: Any, kind: Callable) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return kind is bool
+    if kind is int:
+        return isinstance(value, (int, np.integer))
+    if kind is float:
+        return isinstance(value, (int, float, np.integer, np.floating))
+    return isinstance(value, kind)
 
 
 def _base_fields(m: _Meta) -> dict[str, Any]:
     """Fields every architecture reads the same way; the rest are family defaults."""
-    heads, d = m.get("attention.head_count"), m.get("embedding_length")
-    head_dim = m.get("attention.key_length", d // heads)
+    heads, d = m.size("attention.head_count"), m.size("embedding_length")
+    head_dim = m.size("attention.key_length", max(d // heads, 1))
     rope_dims = m.get("rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise ConfigError(f"{m.gguf.path} rotates {rope_dims} of {head_dim} head dimensions; "
@@ -206,9 +266,9 @@ def _base_fields(m: _Meta) -> dict[str, Any]:
         raise ConfigError(
             f"{m.gguf.path} has no token_embd.weight tensor; use a complete .gguf file.")
     return dict(
-        vocab_size=embed.shape[0], d_model=d, num_layers=m.get("block_count"),
-        num_heads=heads, num_kv_heads=m.get("attention.head_count_kv", heads),
-        head_dim=head_dim, mlp_dim=m.get("feed_forward_length"),
+        vocab_size=embed.shape[0], d_model=d, num_layers=m.size("block_count"),
+        num_heads=heads, num_kv_heads=m.size("attention.head_count_kv", heads),
+        head_dim=head_dim, mlp_dim=m.size("feed_forward_length"),
         norm_eps=m.get("attention.layer_norm_rms_epsilon", kind=float),
         rope_theta=m.get("rope.freq_base", 10000.0, float), rope_local_theta=None,
         tie_embeddings="output.weight" not in m.gguf.tensors,

@@ -38,23 +38,30 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
             f"{gguf.path} has a {model!r} tokenizer for a {gguf.architecture!r} model, and gpurl "
             "rebuilds only Gemma's SentencePiece tokenizer from GGUF; set "
             "model.tokenizer=/path/to/tokenizer.json.")
-    tokens: list[str] = list(_required(gguf, "tokenizer.ggml.tokens"))
-    types_V = np.asarray(meta.get("tokenizer.ggml.token_type", np.ones(len(tokens))))
-    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    tok = _sentencepiece_bpe(tokens, unk="<unk>" if unk_id is None else tokens[int(unk_id)])
+    tokens = _required(gguf, "tokenizer.ggml.tokens")
+    if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens)):
+        raise _damaged(gguf, "tokenizer.ggml.tokens", "is not a list of strings")
+    types_V = np.asarray(meta.get("tokenizer.ggml.token_type", np.ones(len(tokens), np.int32)))
+    if types_V.shape != (len(tokens),) or types_V.dtype.kind not in "iu":
+        raise _damaged(gguf, "tokenizer.ggml.token_type", f"does not give one integer type to "
+                                                          f"each of the {len(tokens)} tokens")
+    unk_id = _token_id(gguf, "tokenizer.ggml.unknown_token_id", len(tokens))
+    tok = _sentencepiece_bpe(tokens, unk="<unk>" if unk_id is None else tokens[unk_id])
     _add_tokens(tok, tokens, types_V)
-    eos_id = int(_required(gguf, "tokenizer.ggml.eos_token_id"))
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    eos_id = _token_id(gguf, "tokenizer.ggml.eos_token_id", len(tokens), required=True)
+    bos_id = _token_id(gguf, "tokenizer.ggml.bos_token_id", len(tokens))
     # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise.
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True)) and bos_id is not None
     if add_bos:
-        bos = tokens[int(bos_id)]
+        bos = tokens[bos_id]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, int(bos_id))])
-    pad_id = meta.get("tokenizer.ggml.padding_token_id")
-    return Tokenizer(tok, eos_id=eos_id, pad_id=eos_id if pad_id is None else int(pad_id),
-                     bos_id=int(bos_id) if add_bos else None,
-                     chat_template=meta.get("tokenizer.chat_template"))
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
+    pad_id = _token_id(gguf, "tokenizer.ggml.padding_token_id", len(tokens))
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise _damaged(gguf, "tokenizer.chat_template", "is not a string")
+    return Tokenizer(tok, eos_id=eos_id, pad_id=eos_id if pad_id is None else pad_id,
+                     bos_id=bos_id if add_bos else None, chat_template=template)
 
 
 def _required(gguf: GGUFFile, key: str) -> object:
@@ -62,6 +69,22 @@ def _required(gguf: GGUFFile, key: str) -> object:
         raise ConfigError(f"{gguf.path} lacks the metadata key {key}; convert the model again "
                           "with a recent llama.cpp or set model.tokenizer=/path/to/tokenizer.json.")
     return gguf.metadata[key]
+
+
+def _damaged(gguf: GGUFFile, key: str, problem: str) -> ConfigError:
+    return ConfigError(f"{gguf.path}: {key} {problem}; the file is damaged, download or convert "
+                       "it again, or set model.tokenizer=/path/to/tokenizer.json.")
+
+
+def _token_id(gguf: GGUFFile, key: str, vocab: int, required: bool = False) -> int | None:
+    """A special token's id from the metadata: an integer below the vocabulary size."""
+    value = _required(gguf, key) if required else gguf.metadata.get(key)
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or not 0 <= value < vocab:
+        raise _damaged(gguf, key, f"is {str(value)[:40]!r}, not a token id below {vocab}")
+    return int(value)
 
 
 def _respell(token: str) -> str:

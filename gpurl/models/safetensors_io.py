@@ -51,8 +51,8 @@ def read_header(path: str | Path) -> tuple[dict[str, dict[str, Any]], dict[str, 
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _corrupt(path, f"header is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, huge ints, deep nesting
+        raise _corrupt(path, f"header is not JSON: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise _corrupt(path, "header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -68,22 +68,30 @@ def _check_entries(path: Path, header: dict[str, Any], data_size: int) -> None:
         try:
             dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
         except (TypeError, KeyError, ValueError):
-            raise _corrupt(path, f"tensor {name!r} has a malformed entry {entry!r}") from None
-        if dtype not in DTYPES:
-            raise _corrupt(path, f"tensor {name!r} has unknown dtype {dtype!r}")
+            raise _corrupt(path, f"tensor {_short(name)} has a malformed entry "
+                                 f"{_short(entry)}") from None
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise _corrupt(path, f"tensor {_short(name)} has unknown dtype {_short(dtype)}")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise _corrupt(path, f"tensor {name!r} has invalid shape {shape!r}")
+            raise _corrupt(path, f"tensor {_short(name)} has invalid shape {_short(shape)}")
         if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= data_size):
-            raise _corrupt(path, f"tensor {name!r} spans bytes [{begin}, {end}) outside the "
+            raise _corrupt(path, f"tensor {_short(name)} spans bytes [{_short(begin)}, "
+                                 f"{_short(end)}) outside the "
                                  f"{data_size}-byte data buffer (truncated file?)")
         if end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
-            raise _corrupt(path, f"tensor {name!r} of shape {shape} and dtype {dtype} "
-                                 f"does not fill its {end - begin} bytes")
+            raise _corrupt(path, f"tensor {_short(name)} of shape {_short(shape)} and dtype "
+                                 f"{dtype} does not fill its {end - begin} bytes")
         spans.append((begin, end, name))
     spans.sort()
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
-            raise _corrupt(path, f"tensors {first!r} and {second!r} overlap")
+            raise _corrupt(path, f"tensors {_short(first)} and {_short(second)} overlap")
+
+
+def _short(value: Any) -> str:
+    """repr for a message: a damaged header can hold megabytes in one name."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def open_file(path: str | Path) -> dict[str, np.ndarray]:

@@ -21,7 +21,7 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.models.tokenizer import Tokenizer
-from gpurl.rewards import Reward, RewardError, score
+from gpurl.rewards import Reward, RewardError, score_rows
 from gpurl.rollout.decode import truncate
 
 # Keys of a data row that are not metadata for the reward functions.
@@ -38,9 +38,10 @@ class RowContext:
 
 
 class ShardedScorer:
-    """`scorer(tokens_BxN, lengths_B, row_ids_B, context)` -> B x (1 + F) float32 sharded
+    """`scorer(tokens_BxN, lengths_B, row_ids_B, context)` -> B x (2 + F) float32 sharded
     like the rows: column 0 is the weighted total, column 1 + f reward function f's
-    score. Row id -1 marks a padding row (scored 0, no function called)."""
+    score, the last column 1 where a function failed and the row was scored 0
+    (rewards_on_error=zero). Row id -1 marks a padding row (scored 0, no function called)."""
 
     def __init__(self, mesh: Mesh, rewards: Sequence[Reward], tokenizer: Tokenizer,
                  stop: Sequence[str]):
@@ -51,7 +52,7 @@ class ShardedScorer:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self.calls = 0  # rows scored by this process (a test counts them across processes)
-        width = 1 + len(self.rewards)
+        width = 2 + len(self.rewards)
 
         def per_shard(tokens_RxN, lengths_R, ids_R):
             out = jax.ShapeDtypeStruct((tokens_RxN.shape[0], width), jnp.float32)
@@ -76,7 +77,7 @@ class ShardedScorer:
 
     def _host(self, tokens_RxN: Any, lengths_R: Any, ids_R: Any) -> np.ndarray:
         tokens_RxN, lengths_R, ids_R = (np.asarray(x) for x in (tokens_RxN, lengths_R, ids_R))
-        out = np.zeros((len(ids_R), 1 + len(self.rewards)), np.float32)
+        out = np.zeros((len(ids_R), 2 + len(self.rewards)), np.float32)
         real = np.flatnonzero(ids_R >= 0)
         if real.size == 0:
             return out
@@ -86,14 +87,15 @@ class ShardedScorer:
         metadata = {k: [row.get(k) for row in rows] for k in keys}
         completions = self.completions(tokens_RxN[real], lengths_R[real])
         try:
-            total, parts = score(self.rewards, [r["prompt"] for r in rows], completions,
-                                 metadata, first_row=int(ids_R[real[0]]))
+            scores = score_rows(self.rewards, [r["prompt"] for r in rows], completions,
+                                metadata, first_row=int(ids_R[real[0]]))
         except RewardError as e:  # names the function and the row
             self._error = e
             return out
-        out[real, 0] = total
+        out[real, 0] = scores.total
         for f, reward in enumerate(self.rewards):
-            out[real, 1 + f] = parts[reward.name]
+            out[real, 1 + f] = scores.parts[reward.name]
+        out[real, -1] = scores.errors
         with self._lock:
             self.calls += real.size
         return out

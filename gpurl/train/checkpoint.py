@@ -34,8 +34,11 @@ def _key(entry: Any) -> str:
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int):
         self.directory = Path(directory).absolute()
+        # cleanup_tmp_directories: a save cut short by a crash leaves a temporary directory;
+        # it is never read as a checkpoint and is removed when the next run starts.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=False)
+            max_to_keep=keep, create=True, enable_async_checkpointing=False,
+            cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "meta"))
 
@@ -60,9 +63,10 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(_flat(target)), meta=ocp.args.JsonRestore()))
         except (ValueError, KeyError) as e:
             raise ConfigError(
-                f"the checkpoint at {self.directory}/{step} does not match this model and "
-                f"optimizer ({type(e).__name__}: {str(e).splitlines()[0][:200]}); use a new run.dir "
-                f"or the config the run was started with.") from e
+                f"the checkpoint at {self.directory}/{step} was written for another model or "
+                f"optimizer ({type(e).__name__}: {str(e).splitlines()[0][:200]}); set a new run.dir, "
+                f"or rerun with the config the run was started with ({self.directory.parent}/"
+                f"config.yaml).") from e
         flat = restored["state"]
         state = jax.tree.unflatten(jax.tree.structure(abstract_state),
                                    [flat[k] for k in _flat(abstract_state)])

@@ -26,7 +26,11 @@ def restore_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, P
     config_file = run / "config.yaml"
     if not config_file.is_file():
         raise ConfigError(f"{run} holds no config.yaml; point checkpoint= at a gpurl run directory.")
-    cfg = from_dict(yaml.safe_load(config_file.read_text()))
+    try:  # safe_load: a Python tag in the file is an error, never a call
+        cfg = from_dict(yaml.safe_load(config_file.read_text()))
+    except (yaml.YAMLError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{config_file} is not a gpurl config ({str(e).splitlines()[0]}); "
+                          f"point checkpoint= at a gpurl run directory.") from None
     ckpt = Checkpointer(run / "checkpoints", keep=cfg.train.keep_checkpoints)
     step = ckpt.latest_step() if step is None else step
     if step is None or step not in ckpt.all_steps():

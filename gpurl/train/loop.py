@@ -33,11 +33,12 @@ from gpurl.models.tokenizer import load_tokenizer
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.metrics import MetricsSink
 from gpurl.train.optim import lr_schedule, make_optimizer
-from gpurl.train.step import Placement, make_eval_step, make_init, make_train_step, placement
+from gpurl.train.step import (NonFiniteError, Placement, make_eval_step, make_init,
+                              make_train_step, placement)
 
 
 class _Stop:
-    """Set by SIGTERM (Slurm preemption, `kill`): the loop checkpoints and exits."""
+    """Set by SIGTERM (Slurm preemption, `kill`): the loop checkpoints and exits 0."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -45,6 +46,11 @@ class _Stop:
 
     def _handle(self, *_: Any) -> None:
         self.requested = True
+
+    def agreed(self) -> bool:
+        """Whether any process got SIGTERM: the signal reaches processes at different
+        steps, and the checkpoint is a collective every process must join at the same one."""
+        return runtime.any_process(self.requested)
 
     def restore(self) -> None:
         signal.signal(signal.SIGTERM, self._previous)
@@ -121,10 +127,12 @@ class _Session:
 
 
 class _PendingMetrics:
-    """Holds step N's device metrics until step N+1 is dispatched, then logs them."""
+    """Holds step N's device metrics until step N+1 is dispatched, then logs them; stops
+    the run at a non-finite step (train.on_nonfinite=stop) or counts it (skip)."""
 
-    def __init__(self, session: _Session, sink: MetricsSink):
+    def __init__(self, session: _Session, sink: MetricsSink, skipped: int):
         self.session, self.sink, self.pending = session, sink, None
+        self.skipped = skipped  # updates left out for a non-finite loss (restored on resume)
         self.t_last = time.perf_counter()
 
     def push(self, step: int, metrics_dev: dict) -> None:
@@ -141,8 +149,21 @@ class _PendingMetrics:
         metrics.update({"lr": float(self.session.schedule(step - 1)), "time/step_s": seconds,
                         "tokens_per_s": tokens / max(seconds, 1e-9)})
         cfg = self.session.cfg.train
-        if step % cfg.log_every == 0 or step == cfg.steps:
+        nonfinite = metrics.pop("nonfinite", 0.0) > 0
+        if cfg.on_nonfinite == "skip":
+            self.skipped += int(nonfinite)
+            metrics["nonfinite_skipped"] = float(self.skipped)
+        if step % cfg.log_every == 0 or step == cfg.steps or nonfinite:
             self.sink.log(step, metrics)
+        if nonfinite and cfg.on_nonfinite == "stop":
+            latest = self.session.ckpt.latest_step()
+            kept = (f"{self.session.ckpt.directory} keeps the last good checkpoint (step {latest})"
+                    if latest is not None else "no checkpoint was written")
+            raise NonFiniteError(
+                f"step {step}: the loss ({metrics.get('loss', float('nan')):.4g}) or gradient norm "
+                f"({metrics.get('grad_norm', float('nan')):.4g}) is not finite, so the run stopped "
+                f"without saving this state and {kept}; lower optim.lr, check the data and "
+                f"reward functions, or set train.on_nonfinite=skip to leave such updates out.")
 
     def reset_clock(self) -> None:
         """Eval and checkpoint time is not step time."""
@@ -163,7 +184,7 @@ def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     place = placement(spec, optimizer, mesh, cfg.mesh.train_rules)
     step_fn = make_train_step(spec, objective, optimizer, place, cfg.train.num_micro_batches,
-                              cfg.optim.freeze)
+                              cfg.optim.freeze, skip_nonfinite=cfg.train.on_nonfinite == "skip")
     init = make_init(spec, optimizer, place, cfg.train.seed,
                      lambda: loading.load_params(model_cfg, spec, place.state.params))
     common = dict(cfg=cfg, run_dir=run_dir, place=place, schedule=lr_schedule(cfg.optim, cfg.train.steps),
@@ -220,14 +241,15 @@ def _preference_parts(cfg: Config, spec, tokenizer, place: Placement, step_fn,
                 describe=stepper.describe())
 
 
-def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, int, bool]:
+def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, dict]:
+    """(state, meta of the checkpoint it came from: {} for a fresh start)."""
     latest = s.ckpt.latest_step()
     if latest is None:
-        return init(), 0, False
+        return init(), {}
     state, meta = s.ckpt.restore(latest, s.place.abstract_state, s.place.state)
     if runtime.is_main_process():
         _trim_metrics(s.run_dir, int(meta["step"]))
-    return state, int(meta["step"]), True
+    return state, meta
 
 
 def _run_eval(s: _Session, state: Any, step: int, sink: MetricsSink) -> dict[str, float]:
@@ -237,34 +259,40 @@ def _run_eval(s: _Session, state: Any, step: int, sink: MetricsSink) -> dict[str
     return figures
 
 
-def _run_steps(s: _Session, state: Any, start: int, sink: MetricsSink) -> tuple[int, dict]:
+def _run_steps(s: _Session, state: Any, start: int, skipped: int, sink: MetricsSink,
+               stop: _Stop) -> tuple[int, dict]:
+    """Steps from `start` to train.steps, or until SIGTERM: then the current step is
+    checkpointed (its scheduled eval is left out to stay within the grace period)."""
     cfg = s.cfg.train
-    stop, queue = _Stop(), _PendingMetrics(s, sink)
+    queue = _PendingMetrics(s, sink, skipped)
     last_eval: dict[str, float] = {}
     step = start
     if s.evaluate is not None and s.eval_at_start and start == 0:
         _run_eval(s, state, 0, sink)
         queue.reset_clock()
-    try:
-        while step < cfg.steps and not stop.requested:
-            state, metrics_dev = s.advance(state, step)
-            step += 1
-            queue.push(step, metrics_dev)
-            sink.advance()
-            final = step == cfg.steps
-            if s.evaluate is not None and (final or (cfg.eval_every and step % cfg.eval_every == 0)):
-                queue.flush()
-                last_eval = _run_eval(s, state, step, sink)
-                queue.reset_clock()
-            if final or stop.requested or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                queue.flush()  # rows up to a checkpoint are on disk before it exists
-                s.ckpt.save(step, state, {"step": step, "examples_seen": step * cfg.batch_size})
-                queue.reset_clock()
-        queue.flush()
-    finally:
-        stop.restore()
-    if stop.requested and step < cfg.steps:
-        sink.message(f"[gpurl] SIGTERM: saved a checkpoint at step {step}; rerun to resume.")
+    stopping = stop.agreed()
+    while step < cfg.steps and not stopping:
+        state, metrics_dev = s.advance(state, step)
+        step += 1
+        queue.push(step, metrics_dev)
+        sink.advance()
+        final = step == cfg.steps
+        stopping = stop.agreed()
+        if s.evaluate is not None and (final or (cfg.eval_every and step % cfg.eval_every == 0
+                                                 and not stopping)):
+            queue.flush()
+            last_eval = _run_eval(s, state, step, sink)
+            queue.reset_clock()
+        if final or stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+            queue.flush()  # rows up to a checkpoint are on disk before it exists
+            s.ckpt.save(step, state, {"step": step, "examples_seen": step * cfg.batch_size,
+                                      "nonfinite_skipped": queue.skipped})
+            queue.reset_clock()
+    queue.flush()
+    if stopping and step < cfg.steps:
+        sink.message(f"[gpurl] SIGTERM: saved a checkpoint at step {step}; rerun to resume."
+                     if step > start else f"[gpurl] SIGTERM before step {start + 1}; nothing "
+                     f"new to save; rerun to resume.")
     return step, last_eval
 
 
@@ -295,9 +323,22 @@ def _eval_at(run_dir: Path, step: int) -> dict[str, float]:
 def train(cfg: Config) -> dict[str, Any]:
     """Runs (or resumes) training; returns the final eval figures (also in summary.json)."""
     runtime.initialize(cfg.distributed)
+    stop = _Stop()  # from here on SIGTERM ends the run at a step boundary, with exit status 0
+    try:
+        return _train(cfg, stop)
+    finally:
+        stop.restore()
+
+
+def _train(cfg: Config, stop: _Stop) -> dict[str, Any]:
     s, init = _build(cfg)
     cfg = s.cfg
-    state, start, resumed = _restore_or_init(s, init)
+    try:
+        state, meta = _restore_or_init(s, init)
+    except BaseException:
+        s.ckpt.close()
+        raise
+    start, resumed = int(meta.get("step", 0)), bool(meta)
     if start >= cfg.train.steps:
         done = s.run_dir / "summary.json"
         print(f"[gpurl] {s.run_dir} already finished at step {start} (train.steps="
@@ -313,12 +354,13 @@ def train(cfg: Config) -> dict[str, Any]:
         + (f"resuming from step {start}" if resumed else "starting at step 0")
         + f", run dir {s.run_dir}")
     try:
-        step, last_eval = _run_steps(s, state, start, sink)
+        step, last_eval = _run_steps(s, state, start, int(meta.get("nonfinite_skipped", 0)),
+                                     sink, stop)
     finally:
         sink.close()
         s.ckpt.close()
-    if step < cfg.train.steps:
-        raise SystemExit(143)
+    if step < cfg.train.steps:  # stopped by SIGTERM: a checkpoint holds the step
+        return {"step": step, "finished": False}
     summary = {"step": step, "finished": True, **last_eval, **_peak_memory()}
     before = _eval_at(s.run_dir, 0) if main and s.eval_at_start else {}
     if before:

@@ -208,7 +208,8 @@ class RLStepper:
         self.cfg, self.spec, self.tokenizer, self.place = cfg, spec, tokenizer, place
         self.train, self.evals, self.step_fn, self.ref_params = train, evals, step_fn, ref_params
         self.group = cfg.algo.num_generations
-        self.rewards = load_rewards(reward_names, cfg.reward_weights or None)
+        self.rewards = load_rewards(reward_names, cfg.reward_weights or None,
+                                    cfg.rewards_on_error, cfg.reward_timeout_s)
         longest = max(len(t) for t in train.tokens + (evals.tokens if evals else []))
         self.engine = Rollouts(spec, tokenizer, cfg.rollout, cfg.mesh, self.rewards,
                                bucket(longest, MIN_PROMPT_BUCKET), placement_devices(cfg.mesh)[1])
@@ -334,14 +335,17 @@ class RLStepper:
         batch = self._assemble(parts, jnp.asarray(select_K, jnp.int32), jnp.asarray(keep_K))
         batch = self._prepare(state.params, self.ref_params, batch, jnp.asarray(rewards_K))
         metrics_dev: dict[str, Any] = {}
+        nonfinite = 0.0
         for _ in range(algo.num_iterations):
             state, metrics_dev = self.step_fn(state, batch)  # dispatched, not awaited
+            nonfinite = nonfinite + metrics_dev["nonfinite"]  # updates left out, all iterations
         t_overlap = 0.0
         if self.overlap and step + 1 < cfg.train.steps:
             t3 = time.perf_counter()
             self._prefetched = (step + 1, self._round(params, step + 1, 0))
             t_overlap = time.perf_counter() - t3
         metrics = {k: float(v) for k, v in jax.device_get(metrics_dev).items()}
+        metrics["nonfinite"] = float(nonfinite)
         t_train = time.perf_counter() - t2 - t_overlap
 
         g0 = rewards[0].reshape(-1, self.group)  # round 0: the unfiltered batch
@@ -357,6 +361,8 @@ class RLStepper:
         })
         if self.overlap:
             metrics["time/overlapped_rollout_s"] = t_overlap  # next step's, during training
+        if cfg.rewards_on_error == "zero":  # rows scored 0 because a reward function failed
+            metrics["reward/errors"] = float(sum((r.scores[:, -1] * r.valid).sum() for r in rounds))
         for f, reward in enumerate(self.rewards):
             metrics[f"reward/{reward.name}"] = float(r0.scores[:, 1 + f].mean())
         return state, metrics

@@ -22,6 +22,11 @@ from gpurl.models import ModelSpec, Params
 from gpurl.train.optim import param_path, trainable
 
 
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm was NaN or infinite (train.on_nonfinite=stop); the
+    message names the step and the checkpoint the run can resume from."""
+
+
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken
@@ -117,17 +122,26 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
 
 
 def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.GradientTransformation,
-                    place: Placement, num_micro: int, freeze: tuple[str, ...] = ()
-                    ) -> Callable[[TrainState, Batch], tuple]:
+                    place: Placement, num_micro: int, freeze: tuple[str, ...] = (),
+                    skip_nonfinite: bool = False) -> Callable[[TrainState, Batch], tuple]:
+    """The jitted step. Its metrics hold `nonfinite` (1.0 when the loss or the gradient
+    norm is NaN or infinite); with `skip_nonfinite` such an update is left out: parameters
+    and optimizer state come back unchanged (the step counter and RNG still advance)."""
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         grads, metrics = accumulate_grads(spec, objective, place, num_micro, state.params, batch,
                                           trainable(state.params, freeze))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["update_norm"] = optax.tree.norm(updates)
+        finite = jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(metrics.get("loss", 0.0))
+        metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
+        params = optax.apply_updates(state.params, updates)
+        if skip_nonfinite:
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            params = jax.tree.map(keep, params, state.params)
+            opt_state = jax.tree.map(keep, opt_state, state.opt_state)
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
-        new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                               opt_state=opt_state, rng=rng)
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
         return new_state, metrics
 
     return jax.jit(step, in_shardings=(place.state, place.batch),
