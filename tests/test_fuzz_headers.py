@@ -108,7 +108,8 @@ def test_mutated_safetensors(tmp_path, safetensors_file, data):
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    lambda inner: (st.lists(inner, max_size=4)
+                   | st.dictionaries(st.text(max_size=6), inner, max_size=4)),
     max_leaves=12)
 _entry = st.fixed_dictionaries({}, optional={
     "dtype": st.sampled_from(["F32", "BF16", "I8", "Q7", ""]) | _json,
@@ -159,7 +160,8 @@ SEED_METADATA = {
         "context_length": 64}.items()},
     "gemma3.attention.layer_norm_rms_epsilon": ("float32", 1e-6),
     "tokenizer.ggml.model": ("string", "llama"),
-    "tokenizer.ggml.tokens": ("array", ["<pad>", "<eos>", "<bos>", "<unk>", "a", "b", "ab", "\u2581"]),
+    "tokenizer.ggml.tokens": ("array",
+                              ["<pad>", "<eos>", "<bos>", "<unk>", "a", "b", "ab", "\u2581"]),
     "tokenizer.ggml.token_type": ("array", [3, 3, 3, 2, 1, 1, 1, 1]),
     "tokenizer.ggml.eos_token_id": ("uint32", 1),
     "tokenizer.ggml.bos_token_id": ("uint32", 2),
@@ -255,7 +257,8 @@ def test_deeply_nested_gguf_arrays(tmp_path):
 
 def test_the_seed_files_read(tmp_path, safetensors_file, gguf_file):
     """The unmutated files are valid, so the mutations start from real headers."""
-    assert sorted(safetensors_io.open_file(_write(tmp_path, safetensors_file, ".safetensors"))) == ["b", "e", "w"]
+    tensors = safetensors_io.open_file(_write(tmp_path, safetensors_file, ".safetensors"))
+    assert sorted(tensors) == ["b", "e", "w"]
     path = _write(tmp_path, gguf_file[0], ".gguf")
     assert sorted(read_gguf(path).tensors) == ["blk.0.ffn_up.weight", "token_embd.weight"]
     assert model_config_from_gguf(path, ModelConfig()).d_model == 32
