@@ -59,6 +59,12 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={value} is not valid; set it to a number {bound}.")
 
 
+def _check_reward_weights(rewards: Any, weights: Any) -> None:
+    if weights and len(weights) != len(rewards):
+        raise ConfigError(f"{len(rewards)} rewards but {len(weights)} reward_weights; give "
+                          f"one weight per reward function.")
+
+
 def _tuplify(obj: Any) -> None:
     """Frozen dataclasses hold tuples, not the lists omegaconf produces."""
     for f in dataclasses.fields(obj):
@@ -443,9 +449,7 @@ class Config:
 
     def __post_init__(self) -> None:
         _tuplify(self)
-        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
-            raise ConfigError(f"{len(self.rewards)} rewards but {len(self.reward_weights)} "
-                              f"reward_weights; give one weight per reward function.")
+        _check_reward_weights(self.rewards, self.reward_weights)
         _choice("rewards_on_error", self.rewards_on_error, ("stop", "zero"))
         _positive("reward_timeout_s", self.reward_timeout_s, allow_zero=True)
 
@@ -492,9 +496,7 @@ class EvalConfig:
         _tuplify(self)
         _positive("pass_k", self.pass_k, allow_zero=True)
         _positive("batch_size", self.batch_size)
-        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
-            raise ConfigError(f"{len(self.rewards)} rewards but {len(self.reward_weights)} "
-                              f"reward_weights; give one weight per reward function.")
+        _check_reward_weights(self.rewards, self.reward_weights)
 
 
 def to_dict(cfg: Any) -> Any:

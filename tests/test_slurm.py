@@ -17,14 +17,7 @@ from gpurl.train.export import restore_run
 import slurm_cluster
 from slurm_cluster import LocalSlurm
 
-# GRPO on the tiny model; every group is set because the defaults are the real-model job.
-GRPO_ARGS = ["algo=grpo", "model=tiny", "model.tokenizer=bytes", "data=arithmetic",
-             "data.num_train=64", "data.num_eval=8", "data.max_len=16", "optim=adamw",
-             "optim.lr=1e-2", "optim.warmup_steps=0", "optim.decay=constant", "train=default",
-             "train.steps=3", "train.batch_size=4", "train.eval_every=0",
-             "train.checkpoint_every=0", "train.eval_batch_size=16", "train.eval_pass_k=2",
-             "rollout=default", "rollout.max_new_tokens=8", "algo.num_generations=4",
-             "logger.progress=false"]
+from test_multiprocess import TINY_GRPO_ARGS as GRPO_ARGS
 
 local_slurm = slurm_cluster.local_slurm  # the session fixture: a private single-node Slurm
 

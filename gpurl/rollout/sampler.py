@@ -87,13 +87,26 @@ class Sampler:
         (padding rows, `padded_rows` in all, come last and should be ignored).
         `prompt_width` fixes the padded prompt length (RL: one shape for the whole run);
         `bucket_rows=False` keeps the row count (RL batches have a fixed size)."""
+        batch = self.prepare(prompts, seeds, prompt_width, bucket_rows)
+        return self.generate_prepared(params, batch, max_new_tokens, temperature)
+
+    def prepare(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
+                prompt_width: int | None = None, bucket_rows: bool = True
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(padded prompt tokens B x P, prompt lengths B, seeds B) as global arrays sharded
+        like the rollout rows; callers that also need the prompts on device reuse them."""
+        tokens, lengths, seeds_np = self._pad(prompts, seeds, prompt_width, bucket_rows)
+        return tuple(jax.make_array_from_process_local_data(self.rows, x)
+                     for x in (tokens, lengths, seeds_np))
+
+    def generate_prepared(self, params: Params, batch: tuple[jax.Array, jax.Array, jax.Array],
+                          max_new_tokens: int | None = None,
+                          temperature: float | None = None) -> Rollout:
+        """`generate` on the arrays `prepare` returned."""
         static = _Static(max_new_tokens or self.cfg.max_new_tokens,
                          self.cfg.temperature if temperature is None else temperature,
                          self.cfg.top_k, self.cfg.top_p, self.stop_ids, self.pad_id)
-        tokens, lengths, seeds_np = self._pad(prompts, seeds, prompt_width, bucket_rows)
         fn = self._fns.get(static) or self._fns.setdefault(static, self._compile(static))
-        batch = [jax.make_array_from_process_local_data(self.rows, x)
-                 for x in (tokens, lengths, seeds_np)]
         return fn(self.place(params), *batch)
 
     def _pad(self, prompts, seeds, width: int | None, bucket_rows: bool

@@ -148,20 +148,16 @@ class Rollouts:
         local_seeds = np.zeros(padded, np.uint32)
         local_seeds[:per] = seeds[rank * per:(rank + 1) * per]
         t0 = time.perf_counter()
-        rollout = self.sampler.generate(params, tokens, local_seeds, temperature=temperature,
-                                        prompt_width=self.prompt_width, bucket_rows=False)
+        batch = self.sampler.prepare(tokens, local_seeds, self.prompt_width, bucket_rows=False)
+        rollout = self.sampler.generate_prepared(params, batch, temperature=temperature)
+        prompt_tokens, prompt_lengths, _ = batch  # the trainer's sequences reuse them
         row_ids = np.full(padded, -1, np.int32)
         row_ids[:per] = np.where(ids >= 0, rank * per + np.arange(per), -1)
-        prompt_np = np.full((padded, self.prompt_width), self.tokenizer.pad_id, np.int32)
-        for r, t in enumerate(tokens):
-            prompt_np[r, :len(t)] = t
-        put = lambda x: jax.make_array_from_process_local_data(self.sampler.rows, x)  # noqa: E731
-        prompt_tokens = put(prompt_np)
-        prompt_lengths = put(np.asarray([len(t) for t in tokens], np.int32))
         jax.block_until_ready(rollout)
         t1 = time.perf_counter()
         global_rows = [prompts.rows[i] if i >= 0 else prompts.rows[0] for i in indices]
-        scores = self.scorer(rollout.tokens, rollout.lengths, put(row_ids),
+        row_ids = jax.make_array_from_process_local_data(self.sampler.rows, row_ids)
+        scores = self.scorer(rollout.tokens, rollout.lengths, row_ids,
                              RowContext(global_rows, group))
         # Device row of global row r: processes hold `padded` rows each, real ones first.
         positions = (np.arange(count)[:, None] * padded + np.arange(per)[None]).reshape(-1)
@@ -172,8 +168,8 @@ class Rollouts:
     def evaluate(self, params: Params, prompts: Prompts, pass_k: int, batch_rows: int,
                  seed: int) -> dict[str, float]:
         """Greedy accuracy on `prompts` (`params` in the rollout layout), and pass@k with k
-        samples each at the rollout temperature (pass@1 = the mean of those samples): a completion is correct when the
-        first reward function gives it >= 1."""
+        samples each at the rollout temperature (pass@1 = the mean of those samples): a
+        completion is correct when the first reward function gives it >= 1."""
         greedy = self._scores(params, prompts, 1, 0.0, batch_rows, seed)
         out = {"eval/accuracy": float((greedy[:, 0, 1] >= 1.0 - 1e-6).mean()),
                "eval/reward": float(greedy[:, 0, 0].mean())}
