@@ -321,12 +321,17 @@ def _key_values(args: list[str], required: tuple[str, ...], optional: tuple[str,
 def _export(args: list[str]) -> None:
     from gpurl.train.export import export_run
 
-    values = _key_values(args, ("checkpoint", "out"), ("step",), "export")
+    values = _key_values(args, ("checkpoint", "out"), ("step", "adapter"), "export")
     step = values.get("step")
     if step is not None and not step.isdigit():
         _fail(f"step={step} is not an integer; give a checkpoint step such as step=100.")
+    adapter = values.get("adapter", "false").lower()
+    if adapter not in ("true", "false"):
+        _fail(f"adapter={values['adapter']} is not valid; use adapter=true (LoRA adapters alone, "
+              f"PEFT layout) or adapter=false (merged model).")
     try:
-        out = export_run(values["checkpoint"], values["out"], None if step is None else int(step))
+        out = export_run(values["checkpoint"], values["out"], None if step is None else int(step),
+                         adapter=adapter == "true")
     except ConfigError as e:
         _fail(str(e))
     print(f"[gpurl] exported {values['checkpoint']} to {out}")

@@ -32,6 +32,8 @@ class AlgoName(str, enum.Enum):
     DPO = "dpo"
     SIMPO = "simpo"
     ORPO = "orpo"
+    PPO = "ppo"
+    RM = "rm"
 
 
 class LoggerName(str, enum.Enum):
@@ -77,9 +79,10 @@ def _tuplify(obj: Any) -> None:
                 {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
 
 
-RL_ALGOS = ("grpo", "gspo", "dapo", "drgrpo", "rloo")
-# Learn from (prompt, chosen, rejected) pairs; only dpo needs a reference model.
-PREFERENCE_ALGOS = ("dpo", "simpo", "orpo")
+RL_ALGOS = ("grpo", "gspo", "dapo", "drgrpo", "rloo", "ppo")
+# Learn from (prompt, chosen, rejected) pairs; only dpo needs a reference model; rm
+# trains a reward model (a scalar head) rather than the policy.
+PREFERENCE_ALGOS = ("dpo", "simpo", "orpo", "rm")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 
 
@@ -87,7 +90,7 @@ DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 class AlgoConfig:
     """The objective. Presets in configs/algo/ carry each paper's published values."""
 
-    name: str = "sft"  # sft, grpo, gspo, dapo, drgrpo, rloo, dpo, simpo, orpo
+    name: str = "sft"  # sft, grpo, gspo, dapo, drgrpo, rloo, ppo, dpo, simpo, orpo, rm
     # SFT: cross-entropy label smoothing in [0, 1); dpo (sigmoid) and simpo: the share
     # eps in [0, 0.5) of pairs assumed flipped (conservative DPO, Mitchell 2023)
     label_smoothing: float = 0.0
@@ -111,6 +114,17 @@ class AlgoConfig:
     dpo_loss: str = "sigmoid"  # dpo: sigmoid (Rafailov 2023), ipo (Azar 2023) or hinge (SLiC, Zhao 2023)
     simpo_gamma: float = 0.5  # simpo: target reward margin gamma (Meng 2024)
     orpo_lambda: float = 0.1  # orpo: weight lambda of the odds-ratio term beside the chosen NLL (Hong 2024)
+    gamma: float = 1.0  # ppo: discount of GAE (Schulman 2016)
+    lam: float = 0.95  # ppo: GAE lambda (bias-variance trade-off of the advantage estimate)
+    whiten_advantages: bool = True  # ppo: advantages to zero mean, unit variance over the batch's tokens
+    critic: str = "separate"  # ppo: separate (a value head on its own backbone) or shared (on the policy's backbone)
+    critic_lr: Optional[float] = None  # ppo: learning rate of the critic (same schedule as the policy); null = optim.lr
+    vf_coef: float = 0.5  # ppo: weight of the value loss in the total loss
+    value_clip: Optional[float] = 0.2  # ppo: clip new values to old +- this (PPO2 value clipping); null = off
+    entropy_coef: float = 0.0  # ppo: entropy bonus weight (the loss subtracts coef * mean token entropy)
+    kl_target: Optional[float] = None  # ppo: adaptive KL coefficient aiming at this KL per sequence (Ziegler 2019); null = fixed beta
+    kl_horizon: int = 10000  # ppo adaptive KL: beta changes by at most 20% x rows / horizon per step
+    reward_model: Optional[str] = None  # ppo: HF ...ForSequenceClassification dir (e.g. `gpurl export` of an rm run) whose score is the reward
 
     def __post_init__(self) -> None:
         from gpurl.algorithms.common import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS
@@ -127,7 +141,8 @@ class AlgoConfig:
         _positive("algo.epsilon", self.epsilon)
         for key in ("num_iterations", "num_generations"):
             _positive(f"algo.{key}", getattr(self, key))
-        if self.name in RL_ALGOS and self.num_generations < 2:
+        self._check_ppo()
+        if self.name in RL_ALGOS and self.name != "ppo" and self.num_generations < 2:
             raise ConfigError(f"algo.num_generations={self.num_generations} gives no group to "
                               f"compare; use at least 2.")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
@@ -145,12 +160,51 @@ class AlgoConfig:
                     f"{' algo.dpo_loss=' + self.dpo_loss if self.name == 'dpo' else ''}; it needs "
                     f"algo.dpo_loss=sigmoid or algo=simpo and a value in [0, 0.5).")
 
+    def _check_ppo(self) -> None:
+        _choice("algo.critic", self.critic, ("separate", "shared"))
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise ConfigError(f"algo.gamma={self.gamma} and algo.lam={self.lam} must lie in [0, 1].")
+        for key in ("vf_coef", "entropy_coef"):
+            _positive(f"algo.{key}", getattr(self, key), allow_zero=True)
+        for key in ("critic_lr", "value_clip", "kl_target"):
+            if getattr(self, key) is not None:
+                _positive(f"algo.{key}", getattr(self, key))
+        _positive("algo.kl_horizon", self.kl_horizon)
+        if self.name == "ppo" and self.beta > 0 and not self.kl_in_reward:
+            raise ConfigError("algo=ppo puts the KL penalty in the per-token reward; set "
+                              "algo.kl_in_reward=true (or algo.beta=0 for no penalty).")
+        if self.kl_target is not None and self.beta <= 0:
+            raise ConfigError(f"algo.kl_target={self.kl_target} adapts a KL coefficient that "
+                              f"starts at algo.beta=0; set algo.beta > 0 (e.g. 0.05).")
+
     @property
     def clip_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 FAMILIES = ("gemma", "gemma2", "gemma3", "llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA (Hu et al. 2021): low-rank adapters on chosen projections train; the base is frozen."""
+
+    rank: int = 0  # adapter rank r; 0 = LoRA off (full fine-tuning)
+    alpha: float = 16.0  # adapters are scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on each adapter's input in training steps (PEFT's lora_dropout)
+    # projections to adapt: globs (fnmatch, whole path) or regexes (re.search) over paths like
+    # "blocks/3/attn/q" or "blocks/0/mlp/down" (attn q, k, v, o; mlp gate, up, down); ["*"] = all
+    targets: list[str] = field(default_factory=lambda: ["*"])
+
+    def __post_init__(self) -> None:
+        _tuplify(self)
+        _positive("model.lora.rank", self.rank, allow_zero=True)
+        _positive("model.lora.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.lora.dropout={self.dropout} is not valid; set it in [0, 1).")
+        if self.rank and not self.targets:
+            raise ConfigError("model.lora.targets is empty; name the projections to adapt, "
+                              "e.g. model.lora.targets='[*]' for all of them.")
 
 
 @dataclass(frozen=True)
@@ -190,9 +244,10 @@ class ModelConfig:
     max_seq_len: int = 2048  # longest sequence the model is used with
     dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16
     param_dtype: str = "float32"  # dtype of stored parameters and optimizer moments
-    attention: str = "auto"  # attention implementation: auto or xla (more with the kernels issue)
+    attention: str = "auto"  # attention kernel: auto (cudnn, else pallas, on GPU; xla on CPU), xla, cudnn, pallas
     init_std: float = 0.02  # std of the random normal init of projections
     tokenizer: str = "auto"  # auto (the checkpoint's, else bytes), bytes (built-in byte-level), or a tokenizer.json path
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.rank > 0 turns them on)
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -207,7 +262,7 @@ class ModelConfig:
         _choice("model.rope_scaling", self.rope_scaling, ("none", "linear", "llama3"))
         _choice("model.dtype", self.dtype, ("auto",) + DTYPES)
         _choice("model.param_dtype", self.param_dtype, DTYPES)
-        _choice("model.attention", self.attention, ("auto", "xla"))
+        _choice("model.attention", self.attention, ("auto", "xla", "cudnn", "pallas"))
 
     def is_global(self, layer: int) -> bool:
         """Whether `layer` attends to the whole context (else to `sliding_window` tokens)."""

@@ -153,7 +153,13 @@ def _group_section(group: str, cls: type, configs: Path, chosen: dict[str, str])
             about = _header_comment(path)
             lines.append(f"- `{path.stem}`" + (f": {about}" if about else ""))
         lines.append("")
-    return lines + _table(f"{group}.", field_docs(cls)) + [""]
+    lines += _table(f"{group}.", field_docs(cls)) + [""]
+    for name, sub in _dataclass_fields(cls)[0]:  # a group inside the group (model.lora)
+        lines += [f"### `{group}.{name}`", ""]
+        if sub.__doc__ and not sub.__doc__.startswith(sub.__name__ + "("):
+            lines += [" ".join(sub.__doc__.split()), ""]
+        lines += _table(f"{group}.{name}.", field_docs(sub)) + [""]
+    return lines
 
 
 def _dataclass_fields(cls: type) -> tuple[list[tuple[str, type]], set[str]]:

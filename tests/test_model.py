@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conftest import TINY_MODEL, make_config
-from gpurl.kernels.attention import attention, attention_mask
+from gpurl.kernels.attention import attention
 from gpurl.models import model_spec
 
 SPEC = model_spec(make_config(model=TINY_MODEL).model)
@@ -58,9 +58,9 @@ def test_grouped_query_attention_equals_repeated_heads():
     v = jnp.asarray(rng.normal(size=(2, 6, 2, 8)), jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
     seg = jnp.ones((2, 6), jnp.int32)
-    mask = attention_mask(pos, pos, seg, seg)
-    gqa = attention(q, k, v, mask, scale=0.3)
-    mha = attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), mask, scale=0.3)
+    gqa = attention(q, k, v, pos, seg, pos, seg, scale=0.3)
+    mha = attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), pos, seg, pos, seg,
+                    scale=0.3)
     np.testing.assert_allclose(gqa, mha, atol=1e-6)
     # NumPy reference for head 0 of query group 0, row 0: softmax(q k^T * scale) v, causal.
     s = np.asarray(q[0, :, 0] @ k[0, :, 0].T) * 0.3

@@ -26,8 +26,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(run_dir: Path, processes: int) -> list[subprocess.Popen]:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}")
+def _launch(run_dir: Path, processes: int, args: list[str] = ARGS,
+            env_extra: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),  # reward functions
+                                           os.environ.get("PYTHONPATH", "")]),
+               **(env_extra or {}))
     extra = []
     port = _free_port()
     procs = []
@@ -36,7 +40,7 @@ def _launch(run_dir: Path, processes: int) -> list[subprocess.Popen]:
             extra = [f"distributed.coordinator=127.0.0.1:{port}",
                      f"distributed.num_processes={processes}", f"distributed.process_id={i}"]
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "gpurl.cli", "train", *ARGS, f"run.dir={run_dir}", *extra],
+            [sys.executable, "-m", "gpurl.cli", "train", *args, f"run.dir={run_dir}", *extra],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
@@ -84,18 +88,8 @@ def test_grpo_two_processes_match_one_and_score_each_row_once(tmp_path):
     procs = []
     for name, (n, extra_args) in runs.items():
         (tmp_path / f"count-{name}").mkdir()
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // n}",
-                   GPURL_TEST_COUNT_DIR=str(tmp_path / f"count-{name}"),
-                   PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
-                                               os.environ.get("PYTHONPATH", "")]))
-        port = _free_port()
-        for i in range(n):
-            extra = ([f"distributed.coordinator=127.0.0.1:{port}", f"distributed.num_processes={n}",
-                      f"distributed.process_id={i}"] if n > 1 else [])
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "gpurl.cli", "train", *GRPO_ARGS, *extra_args,
-                 f"run.dir={tmp_path / name}", *extra],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs += _launch(tmp_path / name, n, GRPO_ARGS + extra_args,
+                         {"GPURL_TEST_COUNT_DIR": str(tmp_path / f"count-{name}")})
     outputs = [p.communicate(timeout=400)[0] for p in procs]
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out
@@ -116,6 +110,52 @@ def test_grpo_two_processes_match_one_and_score_each_row_once(tmp_path):
                        for f in (tmp_path / f"count-{name}").iterdir()}
         assert len(per_process) == n
         assert sum(per_process.values()) == expected, (name, per_process)
+
+
+# PPO (critic with its own backbone, KL in the reward) and DPO (reference pass, pair
+# batches, greedy task eval) on the tiny model.
+PPO_ARGS = ([a for a in GRPO_ARGS if not a.startswith("algo")]
+            + ["algo=ppo", "algo.num_generations=4", "algo.critic_lr=1e-2"])
+DPO_ARGS = ["algo=dpo", "model=tiny", "model.tokenizer=bytes", "data=addition_prefs",
+            "data.num_train=64", "data.num_eval=16", "data.few_shot=0", "data.max_len=32",
+            "optim=adamw", "optim.lr=1e-2", "optim.warmup_steps=0", "train=default",
+            "train.steps=3", "train.batch_size=8", "train.eval_every=0",
+            "train.checkpoint_every=0", "train.eval_batch_size=16", "rollout=default",
+            "rollout.max_new_tokens=4", "logger.progress=false"]
+
+
+RM_ARGS = [a for a in DPO_ARGS if not a.startswith("algo")] + ["algo=rm"]
+
+
+def test_ppo_dpo_and_rm_two_processes_match_one(tmp_path):
+    """PPO, DPO and reward-model training with 2 processes x 2 devices give the losses,
+    gradients, rewards and eval figures of 1 process x 4 devices."""
+    procs = []
+    for algo, args in (("ppo", PPO_ARGS), ("dpo", DPO_ARGS), ("rm", RM_ARGS)):
+        for n in (1, 2):
+            (tmp_path / f"count-{algo}{n}").mkdir()
+            procs += _launch(tmp_path / f"{algo}{n}", n, args,
+                             {"GPURL_TEST_COUNT_DIR": str(tmp_path / f"count-{algo}{n}")})
+    outputs = [p.communicate(timeout=500)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+    keys = {"ppo": ("reward/mean", "loss", "policy_loss", "value_loss", "kl/rollout", "grad_norm",
+                    "eval/accuracy", "eval/pass@2"),
+            "dpo": ("loss", "grad_norm", "rewards/accuracy", "rewards/margin", "eval/loss",
+                    "eval/rewards/accuracy", "eval/accuracy"),
+            "rm": ("loss", "grad_norm", "rewards/margin", "eval/loss", "eval/rewards/margin")}
+    for algo, names in keys.items():
+        one, two = _metrics(tmp_path / f"{algo}1"), _metrics(tmp_path / f"{algo}2")
+        assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2, 3, 3]
+        seen = set()
+        for a, b in zip(one, two):
+            for key in names:
+                if key in a:
+                    seen.add(key)
+                    # atol: PPO's policy loss of whitened advantages at ratio 1 is ~0 (1e-7)
+                    np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6,
+                                               err_msg=f"{algo}: {key}")
+        assert seen == set(names), (algo, seen)
 
 
 def test_killed_process_stops_the_others_within_60s(tmp_path):

@@ -37,22 +37,21 @@ def token_logprobs(apply: Callable[..., jax.Array], params: Any, batch: Batch,
     return jnp.take_along_axis(logp_BxTxV, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
 
 
-def group_logprobs(spec: Any, params: Any, batch: Batch, temperature: float = 1.0,
-                   chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """(log p, entropy) of every completion token, P x G x N fp32, for P prompts with G
-    completions each (N token slots).
+def group_states(spec: Any, params: Any, batch: Batch) -> jax.Array:
+    """Final-norm hidden states s_0..s_N of every completion, B x (N+1) x D for B = P x G
+    rows of P prompts with G completions each (N token slots): s_j is the state after the
+    prompt and the first j completion tokens, so s_j predicts token j and s_len is the
+    state after the whole completion (where a reward model reads its score).
 
     The G completions of a prompt share it, so the prompt goes through the model once per
     group: its forward pass fills a KV cache that is repeated G times, and the completions
     run on top of it (positions continue each prompt; padding slots are masked). Gradients
     flow through the shared prompt keys and values, so this is the exact gradient of the
-    full-sequence log-probs at a fraction of the cost (prompts are often 10x longer than
-    the completions). Only the hidden states that predict completion tokens go through the
-    vocabulary-sized head, in chunks (`gpurl.kernels.logprob`).
+    full-sequence forward at a fraction of the cost (prompts are often 10x longer than
+    the completions).
 
     Batch keys: prompt_tokens (P x W, right-padded), prompt_lengths (P), completions
     (P x G x N), completion_lengths (P x G)."""
-    from gpurl.kernels.logprob import chunked_token_logprobs
     from gpurl.models import init_cache
 
     prompt_PxW, plen_P = batch["prompt_tokens"], batch["prompt_lengths"]
@@ -69,12 +68,35 @@ def group_logprobs(spec: Any, params: Any, batch: Batch, temperature: float = 1.
     pos_BxN = jnp.repeat(plen_P, g)[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
     seg_BxN = (jnp.arange(n)[None] < batch["completion_lengths"].reshape(-1, 1)).astype(jnp.int32)
     hidden_BxNxD, _ = spec.hidden(params, comp_BxN, pos_BxN, seg_BxN, cache)
-    # Token j is predicted by the hidden state before it: the prompt's last for j = 0.
-    pred_BxNxD = jnp.concatenate([jnp.repeat(last_PxD, g, axis=0)[:, None],
-                                  hidden_BxNxD[:, :-1]], axis=1)
-    logp_BxN, entropy_BxN = chunked_token_logprobs(spec.logits, params, pred_BxNxD, comp_BxN,
-                                                   temperature or 1.0, chunk_size=chunk_size)
+    return jnp.concatenate([jnp.repeat(last_PxD, g, axis=0)[:, None], hidden_BxNxD], axis=1)
+
+
+def states_logprobs(spec: Any, params: Any, states_BxN1xD: jax.Array, batch: Batch,
+                    temperature: float = 1.0, chunk_size: int | None = None,
+                    differentiable_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(log p, entropy) of every completion token from `group_states`, P x G x N fp32. Only
+    the states that predict completion tokens go through the vocabulary-sized head, in
+    chunks (`gpurl.kernels.logprob`); the entropy carries a gradient only when asked."""
+    from gpurl.kernels.logprob import chunked_token_logprobs
+
+    p, g, n = batch["completions"].shape
+    logp_BxN, entropy_BxN = chunked_token_logprobs(
+        spec.logits, params, states_BxN1xD[:, :-1], batch["completions"].reshape(p * g, n),
+        temperature or 1.0, chunk_size=chunk_size, differentiable_entropy=differentiable_entropy)
     return logp_BxN.reshape(p, g, n), entropy_BxN.reshape(p, g, n)
+
+
+def group_logprobs(spec: Any, params: Any, batch: Batch, temperature: float = 1.0,
+                   chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(log p, entropy) of every completion token, P x G x N fp32 (`group_states`, then
+    the head on the states that predict completion tokens)."""
+    states = group_states(spec, params, batch)
+    return states_logprobs(spec, params, states, batch, temperature, chunk_size)
+
+
+def final_states(states_BxN1xD: jax.Array, lengths_B: jax.Array) -> jax.Array:
+    """The state after each whole completion, B x D."""
+    return jnp.take_along_axis(states_BxN1xD, lengths_B[:, None, None].astype(jnp.int32), axis=1)[:, 0]
 
 
 # ---------------------------------------------------------------- RL math shared by the

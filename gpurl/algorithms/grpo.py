@@ -43,9 +43,10 @@ def policy_loss(cfg: AlgoConfig, logp_BxT: jax.Array, batch: Batch, norm: dict,
     """This micro-batch's share of the loss from policy log-probs (B x T-1)."""
     mask_BxT = batch["comp_mask"]
     old_BxT = batch.get("old_logprobs", jax.lax.stop_gradient(logp_BxT))
-    adv_Bx1 = batch["advantages"][:, None]
+    adv = batch["advantages"]  # B (one per sequence) or B x T (PPO's per-token GAE)
+    adv_BxT = adv[:, None] if adv.ndim == 1 else adv
     ratio_BxT = _ratio(cfg, logp_BxT, old_BxT, mask_BxT)
-    per_token = clipped_objective(ratio_BxT, adv_Bx1, cfg.epsilon, cfg.clip_high, cfg.dual_clip)
+    per_token = clipped_objective(ratio_BxT, adv_BxT, cfg.epsilon, cfg.clip_high, cfg.dual_clip)
     if cfg.tis_cap is not None:  # truncated importance sampling (Yao et al. 2025)
         weight = jnp.minimum(jnp.exp(old_BxT - batch["sampler_logprobs"]), cfg.tis_cap)
         per_token = per_token * jax.lax.stop_gradient(weight)
@@ -61,7 +62,8 @@ def policy_loss(cfg: AlgoConfig, logp_BxT: jax.Array, batch: Batch, norm: dict,
     return loss, metrics
 
 
-ROW_KEYS = ("comp_mask", "advantages", "old_logprobs", "ref_logprobs", "sampler_logprobs")
+ROW_KEYS = ("comp_mask", "advantages", "old_logprobs", "ref_logprobs", "sampler_logprobs",
+            "values", "returns")
 
 
 def flat_rows(batch: Batch) -> Batch:

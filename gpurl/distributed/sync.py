@@ -18,20 +18,51 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 class WeightSync:
-    def __init__(self, trainer_shardings: Any, rollout_shardings: Any):
+    """`static` (bools over the parameters; default: a LoRA run's frozen base, see
+    `gpurl.models.lora.frozen_base`) marks parameters that never change: they are moved
+    once and reused, so a LoRA run sends only its adapters after the first sync."""
+
+    def __init__(self, trainer_shardings: Any, rollout_shardings: Any, static: Any = None):
+        from gpurl.models import lora
+
         self.targets = rollout_shardings
         first_train = jax.tree.leaves(trainer_shardings)[0]
         first_rollout = jax.tree.leaves(rollout_shardings)[0]
         self.colocated = set(first_train.device_set) == set(first_rollout.device_set)
+        static = lora.frozen_base(trainer_shardings) if static is None else static
+        self._static = jax.tree.leaves(static)
+        self._moved: list[Any] | None = None  # rollout copies of the static leaves
+        train_sh = jax.tree.leaves(trainer_shardings)
         if not self.colocated:
-            full = jax.tree.map(lambda s: NamedSharding(s.mesh, P()), trainer_shardings)
-            self._gather = jax.jit(lambda p: p, in_shardings=(trainer_shardings,),
-                                   out_shardings=full)
+            full = [NamedSharding(s.mesh, P()) for s in train_sh]
+            self._gather_all = jax.jit(lambda p: p, in_shardings=(train_sh,), out_shardings=full)
+            moving = [i for i, st in enumerate(self._static) if not st]
+            self._gather_moving = jax.jit(
+                lambda p: p, in_shardings=([train_sh[i] for i in moving],),
+                out_shardings=[full[i] for i in moving])
 
     def __call__(self, params: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(params)
+        targets = treedef.flatten_up_to(self.targets)
+        moving = [i for i, st in enumerate(self._static) if not (st and self._moved)]
         if self.colocated:
-            return jax.device_put(params, self.targets)
-        return jax.tree.map(self._move, self._gather(params), self.targets)
+            moved = jax.device_put([leaves[i] for i in moving], [targets[i] for i in moving])
+        elif len(moving) == len(leaves):
+            moved = list(map(self._move, self._gather_all(leaves), targets))
+        else:
+            moved = list(map(self._move, self._gather_moving([leaves[i] for i in moving]),
+                             [targets[i] for i in moving]))
+        out = dict(zip(moving, moved))
+        if self._moved is None and any(self._static):
+            # A colocated leaf already in the rollout layout shares its buffer with the
+            # trainer's, which the next train step donates: it is put again every call
+            # (a no-op), never cached.
+            self._static = [st and not (self.colocated and leaves[i].sharding.is_equivalent_to(
+                targets[i], leaves[i].ndim)) for i, st in enumerate(self._static)]
+            self._moved = [out[i] if st else None for i, st in enumerate(self._static)]
+        elif self._moved:
+            out.update({i: m for i, m in enumerate(self._moved) if self._static[i]})
+        return jax.tree.unflatten(treedef, [out[i] for i in range(len(leaves))])
 
     @staticmethod
     def _move(full: jax.Array, target: NamedSharding) -> jax.Array:

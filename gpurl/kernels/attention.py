@@ -3,24 +3,71 @@
 `implementation` picks the kernel; this file holds the pure-jnp reference (`xla`) that
 every faster kernel is tested against. Shapes: B batch, T query tokens, S key tokens,
 H query heads, K key/value heads (H % K == 0), D head width.
+
+The mask is described, never materialized by the caller: positions and segment ids of the
+queries and of the keys, plus an optional sliding window. A key is visible to a query
+iff kv_pos <= q_pos, both have the same segment, the key's segment is not 0 (padding or
+an empty cache slot) and, with a window, q_pos - kv_pos < window. Flash kernels evaluate
+this per block, so T x S never exists in memory; `xla` builds it (`attention_mask`).
+
+Implementations (`model.attention`):
+- `xla`: the reference; any backend.
+- `pallas`: FlashAttention-2 kernels in Pallas (`pallas_attention.py`), forward and
+  backward, every feature. On GPUs they lower to Triton; elsewhere they run in Pallas's
+  interpreter (correct but slow: for tests, not for training on CPU).
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`. Its mask is index
+  based (causal, left window), so it runs only where that equals ours: self-attention
+  (`contiguous=True`: the keys are the queries' own tokens, positions counting up by one
+  within each segment), no logit soft-cap, fp16/bf16, head width a multiple of 8 up to
+  256. Segments reach it as a dense B x 1 x T x S mask (its API takes no segment ids).
+  Calls outside those limits run `pallas` and log the reason once. Needs a CUDA GPU:
+  requesting it elsewhere is a configuration error.
+- `auto`: `cudnn` (with the per-call fallback to `pallas`) on GPUs, `xla` elsewhere,
+  logged once.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("xla",)
+from gpurl.kernels.pallas_attention import flash_attention
+
+IMPLEMENTATIONS = ("xla", "cudnn", "pallas")
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
 
 
-def resolve(implementation: str) -> str:
-    """Maps `auto` to the best implementation available on this platform."""
-    if implementation == "auto":
-        return "xla"
-    if implementation not in IMPLEMENTATIONS:
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+def resolve(implementation: str, backend: str | None = None) -> str:
+    """The implementation to run on `backend` (default: JAX's) for `model.attention`."""
+    if implementation != "auto" and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"attention implementation {implementation!r} is unknown; use one of "
             f"auto, {', '.join(IMPLEMENTATIONS)}.")
+    backend = backend or jax.default_backend()
+    if implementation == "cudnn" and backend != "gpu":
+        raise ValueError(
+            f"model.attention=cudnn needs a CUDA GPU but JAX runs on {backend}; "
+            "use model.attention=auto or xla.")
+    if implementation == "auto":
+        if backend == "gpu":
+            return "cudnn"
+        _log_once(f"attention: auto -> xla on {backend} (the cuDNN and Pallas kernels "
+                  "target GPUs).")
+        return "xla"
+    if implementation == "pallas" and backend != "gpu":
+        _log_once(f"attention: pallas runs in Pallas's interpreter on {backend} (slow; "
+                  "meant for tests).")
     return implementation
 
 
@@ -45,14 +92,37 @@ def attention(
     q_BxTxHxD: jax.Array,
     k_BxSxKxD: jax.Array,
     v_BxSxKxD: jax.Array,
-    mask_BxTxS: jax.Array,
+    q_positions_BxT: jax.Array,
+    q_segments_BxT: jax.Array,
+    kv_positions_BxS: jax.Array,
+    kv_segments_BxS: jax.Array,
     *,
     scale: float,
     softcap: float | None = None,
+    window: int | None = None,
+    contiguous: bool = False,
     implementation: str = "xla",
 ) -> jax.Array:
-    """Grouped-query attention; returns B x T x H x D in the query dtype."""
-    resolve(implementation)
+    """Grouped-query attention; returns B x T x H x D in the query dtype.
+
+    `implementation` is one of IMPLEMENTATIONS (resolve `auto` first with `resolve`);
+    `contiguous` promises self-attention with positions counting up by one inside each
+    segment (see the module docstring), which only `cudnn` uses."""
+    if implementation not in _IMPLEMENTATIONS:
+        implementation = resolve(implementation)
+    if implementation == "cudnn":
+        reason = _cudnn_unsupported(q_BxTxHxD, k_BxSxKxD, softcap, contiguous)
+        if reason:
+            _log_once(f"attention: cudnn -> pallas for calls with {reason}.")
+            implementation = "pallas"
+    args = (q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_positions_BxT, q_segments_BxT,
+            kv_positions_BxS, kv_segments_BxS)
+    return _IMPLEMENTATIONS[implementation](*args, scale=scale, softcap=softcap, window=window)
+
+
+def _xla(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, q_seg_BxT, kv_pos_BxS, kv_seg_BxS, *,
+         scale, softcap, window):
+    mask_BxTxS = attention_mask(q_pos_BxT, kv_pos_BxS, q_seg_BxT, kv_seg_BxS, window)
     return _xla_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale, softcap)
 
 
@@ -72,3 +142,41 @@ def _xla_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale, softcap):
     probs = jnp.where(mask, probs, 0.0).astype(v_BxSxKxD.dtype)
     out_BxTxKxGxD = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD)
     return out_BxTxKxGxD.reshape(b, t, h, d)
+
+
+def _pallas(*args, scale, softcap, window):
+    interpret = jax.default_backend() != "gpu"
+    return flash_attention(*args, scale=scale, softcap=softcap, window=window,
+                           interpret=interpret)
+
+
+def _cudnn_unsupported(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, softcap: float | None,
+                       contiguous: bool) -> str:
+    """Why cuDNN cannot run this call ('' when it can)."""
+    d = q_BxTxHxD.shape[-1]
+    if softcap is not None:
+        return "a logit soft-cap (cuDNN has none)"
+    if not contiguous or q_BxTxHxD.shape[1] != k_BxSxKxD.shape[1]:
+        return "a KV cache (cuDNN's mask is index based)"
+    if q_BxTxHxD.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"{q_BxTxHxD.dtype} inputs (cuDNN takes fp16/bf16)"
+    if d % 8 or d > 256:
+        return f"head width {d} (cuDNN takes multiples of 8 up to 256)"
+    return ""
+
+
+def _cudnn(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, q_seg_BxT, kv_pos_BxS, kv_seg_BxS, *,
+           scale, softcap, window):
+    del softcap, q_pos_BxT, kv_pos_BxS  # no soft-cap here; positions are indices (contiguous)
+    same_BxTxS = (q_seg_BxT[:, :, None] == kv_seg_BxS[:, None, :]) & (kv_seg_BxS[:, None, :] != 0)
+    out_BxTxHxD = jax.nn.dot_product_attention(
+        q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask=same_BxTxS[:, None], scale=scale,
+        is_causal=True, local_window_size=None if window is None else (window - 1, 0),
+        implementation="cudnn")
+    # cuDNN leaves queries without a visible key undefined; the reference returns zeros.
+    seen_BxT = q_seg_BxT != 0
+    return jnp.where(seen_BxT[:, :, None, None], out_BxTxHxD, 0).astype(q_BxTxHxD.dtype)
+
+
+_IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
+    "xla": _xla, "cudnn": _cudnn, "pallas": _pallas}

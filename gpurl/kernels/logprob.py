@@ -48,20 +48,25 @@ def default_chunk_size(vocab_size: int) -> int:
     return 2 ** int(math.log2(tokens))
 
 
-def _stats(logits_NxV: jax.Array, targets_N: jax.Array,
-           temperature: float) -> tuple[jax.Array, jax.Array]:
+def _stats(logits_NxV: jax.Array, targets_N: jax.Array, temperature: float,
+           differentiable_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
     """log p(target) and the entropy of softmax(logits / temperature), both fp32.
 
-    The entropy is a metric: it is computed from stop-gradient logits, so it never adds
-    a term to the backward pass (an entropy bonus would need it differentiable)."""
+    By default the entropy is a metric computed from stop-gradient logits, so it adds no
+    term to the backward pass; `differentiable_entropy` keeps its gradient (an entropy
+    bonus in the loss, PPO's `algo.entropy_coef`)."""
     z_NxV = logits_NxV.astype(jnp.float32) / temperature
     lse_N = jax.nn.logsumexp(z_NxV, axis=-1)
     target_N = jnp.take_along_axis(z_NxV, targets_N[..., None].astype(jnp.int32), axis=-1)[..., 0]
     # -sum p log p, not lse - sum p z: the latter cancels two large numbers (errors of
     # 2e-5 for peaked distributions in fp32). p = 0 terms are 0, even for z = -inf.
-    logq_NxV = jax.lax.stop_gradient(z_NxV - lse_N[..., None])
+    logq_NxV = z_NxV - lse_N[..., None]
+    if not differentiable_entropy:
+        logq_NxV = jax.lax.stop_gradient(logq_NxV)
     p_NxV = jnp.exp(logq_NxV)
-    entropy_N = -jnp.sum(jnp.where(p_NxV > 0, p_NxV * logq_NxV, 0.0), axis=-1)
+    # Zero log q where p = 0 before the product: where(p > 0, p * logq, 0) alone would
+    # send 0 * logq = 0 * -inf = nan back to p in the entropy's gradient.
+    entropy_N = -jnp.sum(p_NxV * jnp.where(p_NxV > 0, logq_NxV, 0.0), axis=-1)
     return target_N - lse_N, entropy_N
 
 
@@ -72,16 +77,17 @@ def _temperature(temperature: float | None) -> float:
 
 
 def token_logprobs_reference(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.Array,
-                             targets_BxT: jax.Array,
-                             temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+                             targets_BxT: jax.Array, temperature: float = 1.0,
+                             differentiable_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
     """(log p(targets), entropy), each B x T fp32, from the whole B x T x V logits at once."""
     logits_BxTxV = logits_fn(params, hidden_BxTxD)
-    return _stats(logits_BxTxV, targets_BxT, _temperature(temperature))
+    return _stats(logits_BxTxV, targets_BxT, _temperature(temperature), differentiable_entropy)
 
 
 def chunked_token_logprobs(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.Array,
                            targets_BxT: jax.Array, temperature: float = 1.0,
-                           chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+                           chunk_size: int | None = None,
+                           differentiable_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
     """(log p(targets), entropy), each B x T fp32, equal to `token_logprobs_reference` but
     with the logits of at most ~`chunk_size` tokens alive at once, forward and backward.
 
@@ -92,7 +98,7 @@ def chunked_token_logprobs(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.A
     of the mesh, and every device computes the head for its own rows only. T is padded
     with zeros up to a multiple of c; padded tokens are dropped from the outputs and get
     no gradient. Differentiable in `params` and `hidden_BxTxD`; the entropy is a
-    stop-gradient metric (see `_stats`)."""
+    stop-gradient metric unless `differentiable_entropy` (see `_stats`)."""
     b, t, _ = hidden_BxTxD.shape
     temperature = _temperature(temperature)
     if chunk_size is None:
@@ -113,7 +119,8 @@ def chunked_token_logprobs(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.A
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk(params: Any, hidden_BxCxD: jax.Array,
               targets_BxC: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return _stats(logits_fn(params, hidden_BxCxD), targets_BxC, temperature)
+        return _stats(logits_fn(params, hidden_BxCxD), targets_BxC, temperature,
+                      differentiable_entropy)
 
     def body(carry: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, Any]:
         return carry, chunk(params, *xs)

@@ -359,16 +359,18 @@ def _check_names(layout: list[HFTensor], tensors: dict[str, np.ndarray], path: P
         raise _mismatch(path, cfg, f"unexpected tensors {extra[:5]}{' ...' if len(extra) > 5 else ''}")
 
 
-def load_hf_params(path: str | Path, spec: ModelSpec, shardings: Params) -> Params:
+def load_hf_params(path: str | Path, spec: ModelSpec, shardings: Params,
+                   extra: tuple[str, ...] = ()) -> Params:
     """Params of `spec` from a HF safetensors checkpoint, each tensor built on its shards.
 
     `shardings` has the structure of `spec.abstract_params` with `NamedSharding` leaves;
-    every device reads only its own slice of the memory-mapped file.
+    every device reads only its own slice of the memory-mapped file. Tensors named in
+    `extra` (a reward model's score head) are left to the caller.
     """
     path, cfg = Path(path), spec.cfg
     layout = hf_layout(cfg)
     _check_layout(layout, spec.abstract_params)
-    tensors = _text_tensors(path)
+    tensors = {n: v for n, v in _text_tensors(path).items() if n not in extra}
     _check_names(layout, tensors, path, cfg)
     params: Params = {}
     for t in layout:

@@ -69,10 +69,16 @@ def checkpoint_tokenizer(cfg: ModelConfig) -> Tokenizer | None:
 
 
 def load_params(cfg: ModelConfig, spec: ModelSpec, shardings: Any) -> Params | None:
-    """Checkpoint weights placed straight into their shards; None for a random init."""
+    """Checkpoint weights placed straight into their shards; None for a random init.
+    With LoRA only the base is loaded (`gpurl.train.step.make_init` adds the adapters)."""
     path = checkpoint_path(cfg)
     if path is None:
         return None
+    if cfg.lora.rank:  # the checkpoint holds the base; the caller adds fresh adapters
+        from gpurl.models import lora, model_spec
+
+        cfg = lora.base_config(cfg)
+        spec, shardings = model_spec(cfg), lora.strip(shardings)
     if _is_gguf(path):
         from gpurl.models.gguf import load_gguf_params
 

@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 
 from gpurl.config import ModelConfig
-from gpurl.kernels.attention import attention, attention_mask, resolve
+from gpurl.kernels.attention import attention, resolve
+from gpurl.models import lora
 
 _ACTIVATIONS = {
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -113,6 +114,7 @@ class Attention(nnx.Module):
     def _project(self, x_BxTxD: jax.Array, name: str) -> jax.Array:
         dt = x_BxTxD.dtype
         out = jnp.einsum("btd,dne->btne", x_BxTxD, getattr(self, name)[...].astype(dt))
+        out = lora.adapted(self, name, x_BxTxD, out)
         if self.has_bias:
             out = out + getattr(self, f"{name}_bias")[...].astype(dt)
         if self.has_qk_norm and name in ("q", "k"):
@@ -135,10 +137,12 @@ class Attention(nnx.Module):
             values = jax.lax.dynamic_update_slice(cache.v, v_BxTxKxE.astype(cache.v.dtype), start)
             kv_pos, kv_seg = cache.positions, cache.segments
             cache = cache.replace(k=keys, v=values)
-        mask = attention_mask(positions_BxT, kv_pos, segments_BxT, kv_seg, self.window)
-        out_BxTxHxE = attention(q_BxTxHxE, keys, values, mask, scale=self.scale,
-                                softcap=self.softcap, implementation=self.implementation)
-        return jnp.einsum("bthe,hed->btd", out_BxTxHxE, self.o[...].astype(x_BxTxD.dtype)), cache
+        out_BxTxHxE = attention(q_BxTxHxE, keys, values, positions_BxT, segments_BxT, kv_pos,
+                                kv_seg, scale=self.scale, softcap=self.softcap,
+                                window=self.window, contiguous=cache is None,
+                                implementation=self.implementation)
+        o_BxTxD = jnp.einsum("bthe,hed->btd", out_BxTxHxE, self.o[...].astype(x_BxTxD.dtype))
+        return lora.adapted(self, "o", out_BxTxHxE, o_BxTxD), cache
 
 
 class MLP(nnx.Module):
@@ -153,8 +157,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         dt = x_BxTxD.dtype
-        h_BxTxF = self.act(x_BxTxD @ self.gate[...].astype(dt)) * (x_BxTxD @ self.up[...].astype(dt))
-        return h_BxTxF @ self.down[...].astype(dt)
+        gate_BxTxF = lora.adapted(self, "gate", x_BxTxD, x_BxTxD @ self.gate[...].astype(dt))
+        up_BxTxF = lora.adapted(self, "up", x_BxTxD, x_BxTxD @ self.up[...].astype(dt))
+        h_BxTxF = self.act(gate_BxTxF) * up_BxTxF
+        return lora.adapted(self, "down", h_BxTxF, h_BxTxF @ self.down[...].astype(dt))
 
 
 class Block(nnx.Module):
@@ -195,6 +201,8 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                   cfg.init_std, cfg.param_dtype)
+        if cfg.lora.rank:
+            lora.attach(self, cfg, rngs)
 
     def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                  segments_BxT: jax.Array) -> jax.Array:

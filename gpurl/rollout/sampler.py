@@ -4,6 +4,9 @@ Prompts are right-padded to a length bucket and the batch to a batch bucket, so 
 run compiles a bounded number of programs. Row b's tokens keep their true positions
 (RoPE, sliding windows); padded prompt slots carry segment 0 and are masked out. The
 loop stops when every row has stopped (EOS or a stop id) or at `max_new_tokens`.
+Rows that come in runs of identical prompts (an RL batch repeats each prompt G times) are
+prefilled once per run and the KV cache is repeated: with G = 8 on the real Gemma 3 270M
+(CPU) the prefill of every row was ~95% of a rollout.
 
 Log-probabilities are those of the distribution sampled from before top-k/top-p
 truncation: log_softmax(logits / temperature), or log_softmax(logits) when greedy;
@@ -52,6 +55,19 @@ class _Static:
     top_p: float
     stop_ids: tuple[int, ...]
     pad_id: int
+    group: int = 1  # rows come in runs of this many identical prompts: one prefill per run
+
+
+class Prepared(tuple):
+    """`Sampler.prepare`'s (prompt tokens B x P, prompt lengths B, seeds B), plus `group`:
+    the rows come in runs of `group` identical prompts (1 = no sharing)."""
+
+    group: int
+
+    def __new__(cls, arrays: tuple[jax.Array, jax.Array, jax.Array], group: int) -> "Prepared":
+        out = super().__new__(cls, arrays)
+        out.group = group
+        return out
 
 
 class Sampler:
@@ -91,13 +107,27 @@ class Sampler:
         return self.generate_prepared(params, batch, max_new_tokens, temperature)
 
     def prepare(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
-                prompt_width: int | None = None, bucket_rows: bool = True
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                prompt_width: int | None = None, bucket_rows: bool = True) -> Prepared:
         """(padded prompt tokens B x P, prompt lengths B, seeds B) as global arrays sharded
         like the rollout rows; callers that also need the prompts on device reuse them."""
         tokens, lengths, seeds_np = self._pad(prompts, seeds, prompt_width, bucket_rows)
-        return tuple(jax.make_array_from_process_local_data(self.rows, x)
-                     for x in (tokens, lengths, seeds_np))
+        return Prepared(tuple(jax.make_array_from_process_local_data(self.rows, x)
+                              for x in (tokens, lengths, seeds_np)), self._group(tokens, lengths))
+
+    def _group(self, tokens_BxP: np.ndarray, lengths_B: np.ndarray) -> int:
+        """The longest run of identical prompts that every run of rows repeats: a divisor of
+        each data shard's rows (so runs never straddle shards), agreed by all processes."""
+        shard_rows = len(lengths_B) // max(self.mesh.shape["data"] // jax.process_count(), 1)
+        group = 1
+        for g in range(shard_rows, 1, -1):
+            if shard_rows % g == 0 and _runs_of(tokens_BxP, lengths_B, g):
+                group = g
+                break
+        if jax.process_count() > 1:  # one program shape for every process
+            from jax.experimental import multihost_utils
+
+            group = int(np.gcd.reduce(multihost_utils.process_allgather(np.int32(group))))
+        return group
 
     def generate_prepared(self, params: Params, batch: tuple[jax.Array, jax.Array, jax.Array],
                           max_new_tokens: int | None = None,
@@ -105,7 +135,8 @@ class Sampler:
         """`generate` on the arrays `prepare` returned."""
         static = _Static(max_new_tokens or self.cfg.max_new_tokens,
                          self.cfg.temperature if temperature is None else temperature,
-                         self.cfg.top_k, self.cfg.top_p, self.stop_ids, self.pad_id)
+                         self.cfg.top_k, self.cfg.top_p, self.stop_ids, self.pad_id,
+                         getattr(batch, "group", 1))
         fn = self._fns.get(static) or self._fns.setdefault(static, self._compile(static))
         return fn(self.place(params), *batch)
 
@@ -140,16 +171,40 @@ class Sampler:
                        out_shardings=Rollout(self.rows, self.rows, self.rows))
 
 
+def _runs_of(tokens_BxP: np.ndarray, lengths_B: np.ndarray, g: int) -> bool:
+    """Whether rows come in runs of `g` identical prompts (same tokens and length)."""
+    first_RxP, first_R = tokens_BxP[::g], lengths_B[::g]
+    return bool((tokens_BxP.reshape(len(first_R), g, -1) == first_RxP[:, None]).all()
+                and (lengths_B.reshape(-1, g) == first_R[:, None]).all())
+
+
+def _prefill(spec: ModelSpec, static: _Static, rows: NamedSharding, params: Params,
+             prompt_BxP: jax.Array, prompt_len_B: jax.Array, length: int):
+    """(first-token logits B x V, KV cache of B rows over `length` positions). Runs of
+    `static.group` identical prompts are prefilled once and their cache rows repeated."""
+    b, p = prompt_BxP.shape
+    g = static.group
+    positions_RxP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b // g, p))
+    segments_RxP = (positions_RxP < prompt_len_B[::g, None]).astype(jnp.int32)
+    cache = init_cache(spec.cfg, b // g, length)
+    if g == 1:
+        cache = jax.lax.with_sharding_constraint(cache, _cache_shardings(cache, rows))
+    hidden_RxPxD, cache = spec.hidden(params, prompt_BxP[::g], positions_RxP, segments_RxP, cache)
+    last_RxD = jnp.take_along_axis(hidden_RxPxD, (prompt_len_B[::g] - 1)[:, None, None],
+                                   axis=1)[:, 0]
+    logits_RxV = spec.logits(params, last_RxD)
+    if g == 1:
+        return logits_RxV, cache
+    cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
+    cache = jax.lax.with_sharding_constraint(cache, _cache_shardings(cache, rows))
+    return jnp.repeat(logits_RxV, g, axis=0), cache
+
+
 def _generate(spec: ModelSpec, static: _Static, rows: NamedSharding, params: Params,
               prompt_BxP: jax.Array, prompt_len_B: jax.Array, seeds_B: jax.Array) -> Rollout:
     b, p = prompt_BxP.shape
     n = static.max_new_tokens
-    cache = init_cache(spec.cfg, b, p + n)
-    cache = jax.lax.with_sharding_constraint(cache, _cache_shardings(cache, rows))
-    positions_BxP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    segments_BxP = (positions_BxP < prompt_len_B[:, None]).astype(jnp.int32)
-    hidden_BxPxD, cache = spec.hidden(params, prompt_BxP, positions_BxP, segments_BxP, cache)
-    last_BxD = jnp.take_along_axis(hidden_BxPxD, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
+    logits_BxV, cache = _prefill(spec, static, rows, params, prompt_BxP, prompt_len_B, p + n)
     keys_B = jax.vmap(jax.random.key)(seeds_B)
     stop_S = jnp.asarray(static.stop_ids or (-1,), jnp.int32)
 
@@ -158,7 +213,7 @@ def _generate(spec: ModelSpec, static: _Static, rows: NamedSharding, params: Par
                              static.temperature, static.top_k, static.top_p)
         return tok_B, lp_B
 
-    tok_B, lp_B = pick(spec.logits(params, last_BxD), 0)
+    tok_B, lp_B = pick(logits_BxV, 0)
     out_tokens = jnp.full((b, n), static.pad_id, jnp.int32).at[:, 0].set(tok_B)
     out_lp = jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp_B)
     state = (cache, tok_B, jnp.int32(1), jnp.isin(tok_B, stop_S), jnp.ones(b, jnp.int32),

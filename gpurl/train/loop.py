@@ -28,13 +28,14 @@ from gpurl.data.sft import TokenRows, encode_sft
 from gpurl.data.sources import load_examples
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import batch_divisor, placement_devices, trainer_mesh
-from gpurl.models import count_params, loading, model_spec
+from gpurl.models import count_params, loading
+from gpurl.models.scalar import load_initial
 from gpurl.models.tokenizer import load_tokenizer
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.metrics import MetricsSink
-from gpurl.train.optim import lr_schedule, make_optimizer
-from gpurl.train.step import (NonFiniteError, Placement, make_eval_step, make_init,
-                              make_train_step, placement)
+from gpurl.train.optim import lr_schedule, make_train_optimizer
+from gpurl.train.step import (NonFiniteError, Placement, checkpointed, complete, make_eval_step,
+                              make_init, make_train_step, placement)
 
 
 class _Stop:
@@ -124,6 +125,9 @@ class _Session:
     ckpt: Checkpointer
     describe: str  # data summary for the start-up line
     eval_at_start: bool = False  # RL: held-out accuracy before training too
+    # host state a checkpoint records beside the arrays (PPO's adaptive KL coefficient)
+    state_meta: Callable[[], dict] = dict
+    restore_meta: Callable[[dict], None] = lambda meta: None
 
 
 class _PendingMetrics:
@@ -179,14 +183,14 @@ def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
     model_cfg = loading.resolve(cfg.model)
     cfg = dataclasses.replace(cfg, model=model_cfg)  # config.yaml records the real architecture
     tokenizer = load_tokenizer(model_cfg)
-    spec = model_spec(model_cfg)
+    spec = algorithms.model(cfg, model_cfg)
     objective = algorithms.objective(cfg)
-    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+    optimizer = make_train_optimizer(cfg)
     place = placement(spec, optimizer, mesh, cfg.mesh.train_rules)
     step_fn = make_train_step(spec, objective, optimizer, place, cfg.train.num_micro_batches,
                               cfg.optim.freeze, skip_nonfinite=cfg.train.on_nonfinite == "skip")
     init = make_init(spec, optimizer, place, cfg.train.seed,
-                     lambda: loading.load_params(model_cfg, spec, place.state.params))
+                     lambda: load_initial(spec, place.state.params, loading.load_params))
     common = dict(cfg=cfg, run_dir=run_dir, place=place, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                   ckpt=Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints))
     if algorithms.is_rl(cfg):
@@ -213,6 +217,7 @@ def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
 def _rl_parts(cfg: Config, spec, tokenizer, place: Placement, step_fn, init) -> dict[str, Any]:
     """The RL pieces of a session: prompts, sampler, reward scorer, reference model."""
     from gpurl.data import default_rewards, load_prompts
+    from gpurl.models.scalar import initial_policy, load_reward_model
     from gpurl.train.rl import RLStepper, encode_prompts
 
     train_rows, eval_rows = load_prompts(cfg.data)
@@ -221,11 +226,19 @@ def _rl_parts(cfg: Config, spec, tokenizer, place: Placement, step_fn, init) -> 
     evals, eval_skipped = (encode_prompts(eval_rows, tokenizer, cfg.data.chat_template, limit, "eval")
                            if eval_rows else (None, 0))
     # The reference is the initial policy; it is rebuilt (not checkpointed) on resume.
-    ref = init().params if cfg.algo.beta > 0 else None
+    # With LoRA the reference is the frozen base inside the train state (RLStepper).
+    ref = (initial_policy(spec, place.state.params, cfg.train.seed, loading.load_params, init)
+           if cfg.algo.beta > 0 and not cfg.model.lora.rank else None)
+    reward_model = (load_reward_model(cfg.algo.reward_model, cfg.model, place.mesh,
+                                      cfg.mesh.train_rules) if cfg.algo.reward_model else None)
     stepper = RLStepper(cfg, spec, tokenizer, place, train, evals,
-                        list(cfg.rewards) or default_rewards(cfg.data), step_fn, ref)
+                        list(cfg.rewards) or default_rewards(cfg.data), step_fn, ref, reward_model)
     reward_names = ", ".join(r.name for r in stepper.rewards)
+    if reward_model is not None:
+        reward_names = (f"reward model {cfg.algo.reward_model}"
+                        + (f" + {reward_names}" if cfg.rewards else f" (reported: {reward_names})"))
     return dict(advance=stepper.step, evaluate=stepper.evaluate if evals else None,
+                state_meta=stepper.state_meta, restore_meta=stepper.restore_meta,
                 describe=(f"{len(train)} train prompts, {len(evals) if evals else 0} eval prompts "
                           f"({skipped + eval_skipped} longer than data.max_len skipped), "
                           f"G={cfg.algo.num_generations}, rewards: {reward_names}"))
@@ -246,7 +259,9 @@ def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, dict]:
     latest = s.ckpt.latest_step()
     if latest is None:
         return init(), {}
-    state, meta = s.ckpt.restore(latest, s.place.abstract_state, s.place.state)
+    state, meta = s.ckpt.restore(latest, checkpointed(s.place, s.place.abstract_state),
+                                 checkpointed(s.place, s.place.state))
+    state = complete(s.place, state, init)  # a LoRA run's base is not in the checkpoint
     if runtime.is_main_process():
         _trim_metrics(s.run_dir, int(meta["step"]))
     return state, meta
@@ -285,8 +300,9 @@ def _run_steps(s: _Session, state: Any, start: int, skipped: int, sink: MetricsS
             queue.reset_clock()
         if final or stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             queue.flush()  # rows up to a checkpoint are on disk before it exists
-            s.ckpt.save(step, state, {"step": step, "examples_seen": step * cfg.batch_size,
-                                      "nonfinite_skipped": queue.skipped})
+            s.ckpt.save(step, checkpointed(s.place, state),
+                        {"step": step, "examples_seen": step * cfg.batch_size,
+                         "nonfinite_skipped": queue.skipped, **s.state_meta()})
             queue.reset_clock()
     queue.flush()
     if stopping and step < cfg.steps:
@@ -339,6 +355,7 @@ def _train(cfg: Config, stop: _Stop) -> dict[str, Any]:
         s.ckpt.close()
         raise
     start, resumed = int(meta.get("step", 0)), bool(meta)
+    s.restore_meta(meta)
     if start >= cfg.train.steps:
         done = s.run_dir / "summary.json"
         print(f"[gpurl] {s.run_dir} already finished at step {start} (train.steps="

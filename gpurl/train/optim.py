@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Sequence
 
@@ -34,11 +35,25 @@ def param_path(path: Sequence[Any]) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
+# Containers around a model's own tree (PPO's policy and critic, a scalar model's
+# backbone): `optim.freeze` patterns match the path inside them, so ^embed$ freezes the
+# embedding of every model in the tree.
+_CONTAINERS = ("policy", "critic", "backbone")
+
+
+def model_path(path: Sequence[Any]) -> str:
+    """The parameter's path inside its model: "critic/backbone/embed" -> "embed"."""
+    keys = param_path(path).split("/")
+    while len(keys) > 1 and keys[0] in _CONTAINERS:
+        keys = keys[1:]
+    return "/".join(keys)
+
+
 def trainable(params: Any, freeze: Sequence[str]) -> Any:
     """Tree of bools: False for parameters whose path matches an `optim.freeze` regex."""
     patterns = [re.compile(p) for p in freeze]
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: not any(p.search(param_path(path)) for p in patterns), params)
+        lambda path, _: not any(p.search(model_path(path)) for p in patterns), params)
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
@@ -55,3 +70,23 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     def labels(params):
         return jax.tree.map(lambda t: "train" if t else "frozen", trainable(params, cfg.freeze))
     return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
+
+
+def actor_critic_optimizer(cfg: OptimConfig, critic_lr: float | None,
+                           total_steps: int) -> optax.GradientTransformation:
+    """PPO's optimizer over {"policy", "critic"}: AdamW for each, the critic's at its own
+    learning rate (the same schedule), each clipped by its own gradient norm."""
+    critic = make_optimizer(dataclasses.replace(cfg, lr=critic_lr or cfg.lr), total_steps)
+    return optax.multi_transform({"policy": make_optimizer(cfg, total_steps), "critic": critic},
+                                 {"policy": "policy", "critic": "critic"})
+
+
+def make_train_optimizer(cfg: Any) -> optax.GradientTransformation:
+    """The optimizer of a run (`cfg`: the whole Config): PPO's covers policy and critic.
+    With LoRA the base is frozen: only the adapters (and heads) have Adam moments."""
+    from gpurl.models import lora
+
+    optim = lora.optim_config(cfg.optim, cfg.model)
+    if cfg.algo.name == "ppo":
+        return actor_critic_optimizer(optim, cfg.algo.critic_lr, cfg.train.steps)
+    return make_optimizer(optim, cfg.train.steps)

@@ -21,12 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpurl.algorithms.dpo import needs_reference, pair_loss, sequence_logps
+from gpurl.algorithms.rm import bradley_terry, pair_scores
 from gpurl.config import Config
 from gpurl.data.batching import process_rows, step_indices
 from gpurl.data.preferences import encode_pairs, load_pairs, take_pairs
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import replicated
-from gpurl.models import ModelSpec, Params
+from gpurl.models import ModelSpec, Params, lora
+from gpurl.models.scalar import ScalarSpec
 from gpurl.models.tokenizer import Tokenizer
 from gpurl.train.step import Placement, TrainState
 
@@ -42,35 +44,53 @@ class PreferenceStepper:
         self.train = encode_pairs(train_rows, tokenizer, cfg.data, "train")
         self.evals = encode_pairs(eval_rows, tokenizer, cfg.data, "eval") if eval_rows else None
         # The reference is the initial policy; it is rebuilt (not checkpointed) on resume.
-        self.ref_params = init().params if needs_reference(cfg.algo) else None
+        # With LoRA the reference is the frozen base inside the train state (`_reference`).
+        self.base_ref = needs_reference(cfg.algo) and cfg.model.lora.rank > 0
+        self.ref_params = init().params if needs_reference(cfg.algo) and not self.base_ref else None
         self._logps = jax.jit(functools.partial(sequence_logps, spec),
                               in_shardings=(place.state.params, place.batch),
                               out_shardings=place.batch)
         self._ref_cache: dict[int, jax.Array] = {}
         self._metrics = jax.jit(functools.partial(pair_loss, cfg.algo),
                                 out_shardings=replicated(place.mesh))
+        # algo=rm trains a scalar model: its held-out figures are Bradley-Terry's, and it
+        # has no language-model head to answer task prompts with.
+        self.reward_model = isinstance(spec, ScalarSpec)
+        if self.reward_model:
+            self._rm_metrics = jax.jit(
+                lambda params, batch, norm: bradley_terry(pair_scores(spec, params, batch),
+                                                          batch["pair_mask"], norm)[1],
+                in_shardings=(place.state.params, place.batch, None),
+                out_shardings=replicated(place.mesh))
         self.task = (_TaskEval(cfg, spec, tokenizer, place, self.evals.rows)
-                     if self.evals is not None and _has_task(cfg, self.evals.rows) else None)
+                     if self.evals is not None and not self.reward_model
+                     and _has_task(cfg, self.evals.rows) else None)
 
     def describe(self) -> str:
         skipped = self.train.num_skipped + (self.evals.num_skipped if self.evals else 0)
         task = f", task eval: {self.task.describe}" if self.task else ""
+        what = ("reward model (Bradley-Terry)" if self.reward_model else "reference "
+                + ("frozen initial model" if self.ref_params is not None or self.base_ref
+                   else "none"))
         return (f"{len(self.train)} train pairs, {len(self.evals) if self.evals else 0} eval "
-                f"pairs ({skipped} longer than data.max_len skipped), reference "
-                f"{'frozen initial model' if self.ref_params is not None else 'none'}{task}")
+                f"pairs ({skipped} longer than data.max_len skipped), {what}{task}")
 
     def _global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Each process passes only its own pairs; JAX assembles the global batch."""
         return {k: jax.make_array_from_process_local_data(self.place.batch, v)
                 for k, v in batch.items()}
 
+    def _reference(self, params: Params) -> Params:
+        """The reference's parameters: the frozen initial model's, or a LoRA run's base."""
+        return lora.disabled(params) if self.base_ref else self.ref_params
+
     def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
         train = self.cfg.train
         indices = step_indices(len(self.train), train.batch_size, step, train.seed)
         local = process_rows(indices, runtime.process_index(), runtime.process_count())
         batch = self._global(take_pairs(self.train, local))
-        if self.ref_params is not None:
-            batch["ref_logps"] = self._logps(self.ref_params, batch)[0]
+        if self.ref_params is not None or self.base_ref:
+            batch["ref_logps"] = self._logps(self._reference(state.params), batch)[0]
         return self.step_fn(state, batch)
 
     def evaluate(self, params: Params) -> dict[str, float]:
@@ -91,11 +111,15 @@ class PreferenceStepper:
             idx = np.where(idx < len(self.evals), idx, -1)
             local = idx[process_rows(np.arange(size), runtime.process_index(), count)]
             batch = self._global(take_pairs(self.evals, local))
+            if self.reward_model:
+                for k, v in jax.device_get(self._rm_metrics(params, batch, norm)).items():
+                    totals[k] = totals.get(k, 0.0) + float(v)
+                continue
             logp_Px2, len_Px2 = self._logps(params, batch)
             ref_Px2 = None
-            if self.ref_params is not None:
+            if self.ref_params is not None or self.base_ref:
                 if b not in self._ref_cache:
-                    self._ref_cache[b] = self._logps(self.ref_params, batch)[0]
+                    self._ref_cache[b] = self._logps(self._reference(params), batch)[0]
                 ref_Px2 = self._ref_cache[b]
             _, metrics = self._metrics(logp_Px2, len_Px2, ref_Px2, batch["pair_mask"], norm)
             for k, v in jax.device_get(metrics).items():

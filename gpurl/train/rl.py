@@ -23,13 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpurl import algorithms
+from gpurl.algorithms import ppo
 from gpurl.algorithms.common import group_advantages, group_logprobs, kl_estimate
 from gpurl.config import Config, ConfigError, MeshConfig, RolloutConfig
 from gpurl.data.batching import step_indices
 from gpurl.distributed import runtime
-from gpurl.models import ModelSpec, Params
+from gpurl.models import ModelSpec, Params, lora
 from gpurl.models.tokenizer import Tokenizer
-from gpurl.distributed.mesh import placement_devices, rollout_mesh
+from gpurl.distributed.mesh import placement_devices, replicated, rollout_mesh
 from gpurl.distributed.sync import WeightSync
 from gpurl.rewards import Reward, load as load_rewards
 from gpurl.rewards.sharded import RowContext, ShardedScorer
@@ -196,20 +198,33 @@ class Rollouts:
 
 
 class RLStepper:
-    """Builds rollouts, rewards and batches for the shared train step; evaluates."""
+    """Builds rollouts, rewards and batches for the shared train step; evaluates.
 
-    def __init__(self, cfg: Config, spec: ModelSpec, tokenizer: Tokenizer, place: Placement,
+    `spec` is what the step trains: the language model, or PPO's policy with its critic
+    (`gpurl.models.scalar.ActorCriticSpec`); rollouts always use the language model.
+    `reward_model` (PPO): a scalar model whose score of each completion is its reward."""
+
+    def __init__(self, cfg: Config, spec: Any, tokenizer: Tokenizer, place: Placement,
                  train: Prompts, evals: Prompts | None, reward_names: Sequence[str],
-                 step_fn: Callable, ref_params: Params | None):
+                 step_fn: Callable, ref_params: Params | None,
+                 reward_model: tuple[Any, Params] | None = None):
         self.cfg, self.spec, self.tokenizer, self.place = cfg, spec, tokenizer, place
         self.train, self.evals, self.step_fn, self.ref_params = train, evals, step_fn, ref_params
+        self.policy = algorithms.policy_spec(spec)
+        self.actor_critic = self.policy is not spec
+        self.reward_model = reward_model
+        # With a reward model and no reward functions named, the functions (the data's
+        # answer check) only report; the reward model's score is the reward.
+        self.function_weight = 0.0 if reward_model is not None and not cfg.rewards else 1.0
+        self.kl = ppo.AdaptiveKL(cfg.algo.beta, cfg.algo.kl_target, cfg.algo.kl_horizon)
         self.group = cfg.algo.num_generations
         self.rewards = load_rewards(reward_names, cfg.reward_weights or None,
                                     cfg.rewards_on_error, cfg.reward_timeout_s)
         longest = max(len(t) for t in train.tokens + (evals.tokens if evals else []))
-        self.engine = Rollouts(spec, tokenizer, cfg.rollout, cfg.mesh, self.rewards,
+        self.engine = Rollouts(self.policy, tokenizer, cfg.rollout, cfg.mesh, self.rewards,
                                bucket(longest, MIN_PROMPT_BUCKET), placement_devices(cfg.mesh)[1])
-        self.sync = WeightSync(place.state.params, self.engine.sampler.param_shardings)
+        self.sync = WeightSync(algorithms.policy_params(spec, place.state.params),
+                               self.engine.sampler.param_shardings)
         # rollout.async with split placement: step s+1's first rollout round is generated
         # with the parameters step s starts from, while step s trains (one step off-policy).
         self.overlap = cfg.rollout.async_ and not self.sync.colocated
@@ -217,7 +232,7 @@ class RLStepper:
         self.max_new = cfg.rollout.max_new_tokens
         self._check_rows()
         self._assemble = jax.jit(self._assemble_fn, out_shardings=place.batch)
-        self._prepare = jax.jit(self._prepare_fn, out_shardings=place.batch)
+        self._prepare = jax.jit(self._prepare_fn, out_shardings=(place.batch, replicated(place.mesh)))
 
     def _check_rows(self) -> None:
         rows = self.cfg.train.batch_size * self.group
@@ -242,8 +257,8 @@ class RLStepper:
     def _rewards(self, r: _Round) -> np.ndarray:
         """Total reward of each row with DAPO's overlong shaping; padding rows 0."""
         algo = self.cfg.algo
-        shaped = r.scores[:, 0] + overlong_penalty(r.lengths, self.max_new, algo.overlong_buffer,
-                                                   algo.overlong_penalty)
+        shaped = self.function_weight * r.scores[:, 0] + overlong_penalty(
+            r.lengths, self.max_new, algo.overlong_buffer, algo.overlong_penalty)
         return np.where(r.valid, shaped, 0.0).astype(np.float32)
 
     # ------------------------------------------------------------------ batch on device
@@ -265,15 +280,19 @@ class RLStepper:
                 "comp_mask": grouped((real_BxN & keep_K[:, None]).astype(jnp.float32)),
                 "sampler_logprobs": grouped(jnp.where(real_BxN, clp_BxN, 0.0))}
 
-    def _prepare_fn(self, params: Params, ref_params: Params | None, batch: dict,
-                    rewards_K: jax.Array) -> dict:
-        """Reference / old log-probs, KL-in-reward, advantages."""
+    def _prepare_fn(self, params: Params, ref_params: Params | None, reward_model: Any,
+                    batch: dict, rewards_K: jax.Array, kl_coef: jax.Array) -> tuple[dict, dict]:
+        """Reference / old log-probs, KL-in-reward, advantages (PPO: values, GAE)."""
         algo, temp = self.cfg.algo, self.cfg.rollout.temperature
+        if self.actor_critic:
+            rm = None if reward_model is None else (self.reward_model[0], reward_model)
+            return ppo.prepare(algo, self.spec, temp, params, ref_params, rm, batch,
+                               rewards_K, kl_coef)
         out = dict(batch)
         if ref_params is not None:
-            out["ref_logprobs"] = group_logprobs(self.spec, ref_params, batch, temp)[0]
+            out["ref_logprobs"] = group_logprobs(self.policy, ref_params, batch, temp)[0]
         if algo.num_iterations > 1 or algo.tis_cap is not None:
-            out["old_logprobs"] = group_logprobs(self.spec, params, batch, temp)[0]
+            out["old_logprobs"] = group_logprobs(self.policy, params, batch, temp)[0]
         if ref_params is not None and algo.kl_in_reward:
             old = out.get("old_logprobs", batch["sampler_logprobs"])
             kl_K = (kl_estimate(old, out["ref_logprobs"], algo.kl_estimator)
@@ -281,7 +300,7 @@ class RLStepper:
             rewards_K = rewards_K - algo.beta * kl_K
         adv_K = group_advantages(rewards_K, self.group, algo.advantage, algo.adv_eps)
         out["advantages"] = adv_K.reshape(-1, self.group)
-        return out
+        return out, {}
 
     # ------------------------------------------------------------------ the step
 
@@ -297,7 +316,7 @@ class RLStepper:
         cfg, algo = self.cfg, self.cfg.algo
         prompts_per_step = cfg.train.batch_size
         t0 = time.perf_counter()
-        params = self.sync(state.params)
+        params = self.sync(algorithms.policy_params(self.spec, state.params))
         jax.block_until_ready(params)
         t_sync = time.perf_counter() - t0
         rounds, rewards, kept, dropped = [], [], [], []
@@ -329,7 +348,12 @@ class RLStepper:
                        (r.prompt_tokens, r.prompt_lengths, r.rollout.tokens, r.rollout.lengths,
                         r.rollout.logprobs)) for r in rounds]
         batch = self._assemble(parts, jnp.asarray(select_K, jnp.int32), jnp.asarray(keep_K))
-        batch = self._prepare(state.params, self.ref_params, batch, jnp.asarray(rewards_K))
+        rm_params = None if self.reward_model is None else self.reward_model[1]
+        ref = self.ref_params
+        if ref is None and cfg.algo.beta > 0 and cfg.model.lora.rank:  # the frozen base
+            ref = lora.disabled(algorithms.policy_params(self.spec, state.params))
+        batch, prepared = self._prepare(state.params, ref, rm_params, batch,
+                                        jnp.asarray(rewards_K), jnp.float32(self.kl.value))
         metrics_dev: dict[str, Any] = {}
         nonfinite = 0.0
         for _ in range(algo.num_iterations):
@@ -340,8 +364,10 @@ class RLStepper:
             t3 = time.perf_counter()
             self._prefetched = (step + 1, self._round(params, step + 1, 0))
             t_overlap = time.perf_counter() - t3
-        metrics = {k: float(v) for k, v in jax.device_get(metrics_dev).items()}
+        metrics = {k: float(v) for k, v in jax.device_get({**metrics_dev, **prepared}).items()}
         metrics["nonfinite"] = float(nonfinite)
+        if "kl/rollout" in metrics:
+            self.kl.update(metrics["kl/rollout"], len(rewards_K))
         t_train = time.perf_counter() - t2 - t_overlap
 
         g0 = rewards[0].reshape(-1, self.group)  # round 0: the unfiltered batch
@@ -355,6 +381,9 @@ class RLStepper:
             "time/sync_s": t_sync, "time/rollout_s": sum(r.rollout_s for r in rounds),
             "time/reward_s": sum(r.reward_s for r in rounds), "time/train_s": t_train,
         })
+        if "reward/model" in metrics:  # scored on device, after the host saw the rewards
+            metrics["reward/mean"] += metrics["reward/model"]
+            metrics["reward/batch_mean"] += metrics["reward/model"]
         if self.overlap:
             metrics["time/overlapped_rollout_s"] = t_overlap  # next step's, during training
         if cfg.rewards_on_error == "zero":  # rows scored 0 because a reward function failed
@@ -363,6 +392,14 @@ class RLStepper:
             metrics[f"reward/{reward.name}"] = float(r0.scores[:, 1 + f].mean())
         return state, metrics
 
+    def state_meta(self) -> dict[str, float]:
+        """What a checkpoint records beside the arrays: the adaptive KL coefficient."""
+        return {"kl_coef": self.kl.value}
+
+    def restore_meta(self, meta: dict) -> None:
+        self.kl.value = float(meta.get("kl_coef", self.kl.value))
+
     def evaluate(self, params: Params) -> dict[str, float]:
+        params = algorithms.policy_params(self.spec, params)
         return self.engine.evaluate(self.sync(params), self.evals, self.cfg.train.eval_pass_k,
                                     self.cfg.train.eval_batch_size, self.cfg.train.seed)

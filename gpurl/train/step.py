@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.algorithms.common import Batch, Objective
 from gpurl.distributed.mesh import Rules, batch_sharding, replicated, tree_shardings
-from gpurl.models import ModelSpec, Params
+from gpurl.models import ModelSpec, Params, lora
 from gpurl.train.optim import param_path, trainable
 
 
@@ -50,6 +50,28 @@ class Placement:
     state: Any  # TrainState of NamedShardings
     batch: NamedSharding
     abstract_state: Any  # TrainState of ShapeDtypeStructs
+    # bools over the params: True for the frozen base of a LoRA run, which is never
+    # trained or checkpointed (rebuilt from the model's checkpoint or seed); None = no LoRA
+    frozen: Any = None
+
+
+def checkpointed(place: Placement, tree: TrainState) -> TrainState:
+    """The part of `tree` (a state, its shardings or its abstract form) that checkpoints
+    hold: everything, or all but a LoRA run's frozen base (None leaves are left out)."""
+    if place.frozen is None:
+        return tree
+    params = jax.tree.map(lambda x, f: None if f else x, tree.params, place.frozen)
+    return tree.replace(params=params)
+
+
+def complete(place: Placement, restored: TrainState, init: Callable[[], TrainState]) -> TrainState:
+    """A restored `checkpointed` state with the frozen base put back from `init()`."""
+    if place.frozen is None:
+        return restored
+    fresh = init()
+    params = jax.tree.map(lambda r, f, frozen: f if frozen else r, restored.params,
+                          fresh.params, place.frozen, is_leaf=lambda x: x is None)
+    return restored.replace(params=params)
 
 
 def placement(spec: ModelSpec, optimizer: optax.GradientTransformation, mesh: Mesh,
@@ -73,7 +95,8 @@ def placement(spec: ModelSpec, optimizer: optax.GradientTransformation, mesh: Me
     state_sh = TrainState(step=replicated(mesh), params=param_sh,
                           opt_state=jax.tree_util.tree_map_with_path(follow, abstract.opt_state),
                           rng=replicated(mesh))
-    return Placement(mesh, state_sh, batch_sharding(mesh, rules), abstract)
+    frozen = lora.frozen_base(abstract.params) if lora.has_adapters(abstract.params) else None
+    return Placement(mesh, state_sh, batch_sharding(mesh, rules), abstract, frozen)
 
 
 def _split_micro(batch: Batch, num_micro: int, rows: NamedSharding) -> Batch:
@@ -88,13 +111,15 @@ def _split_micro(batch: Batch, num_micro: int, rows: NamedSharding) -> Batch:
 
 
 def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, num_micro: int,
-                     params: Params, batch: Batch, trainable: Any = None) -> tuple[Params, dict]:
+                     params: Params, batch: Batch, trainable: Any = None,
+                     rng: jax.Array | None = None) -> tuple[Params, dict]:
     """Gradient of the global-batch loss, summed over micro-batches in a `lax.scan`.
 
     Each micro-batch's loss is its share of the global loss (normalizer computed once on
     the whole batch), so M micro-batches of B/M give the gradient of one batch of B.
     Parameters that `trainable` marks False are not differentiated (their gradient is 0):
-    a frozen tied embedding then costs no vocabulary-sized gradient matmul."""
+    a frozen tied embedding then costs no vocabulary-sized gradient matmul. `rng` (a key)
+    seeds LoRA dropout, a different mask in every micro-batch."""
     norm = objective.normalizer(batch)
     if trainable is None:
         trainable = jax.tree.map(lambda _: True, params)
@@ -109,13 +134,17 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
 
     grad_fn = jax.value_and_grad(loss_of_trainable, has_aux=True)
 
-    def body(grads_acc: Params, micro: Batch) -> tuple[Params, dict]:
-        (_, metrics), grads = grad_fn(train_p, micro)
+    def body(grads_acc: Params, micro_and_key: tuple[Batch, jax.Array]) -> tuple[Params, dict]:
+        micro, key = micro_and_key
+        with lora.dropout_key(None if rng is None else key):
+            (_, metrics), grads = grad_fn(train_p, micro)
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
         return jax.lax.with_sharding_constraint(grads_acc, train_sh), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, train_p)
-    grads, metrics_M = jax.lax.scan(body, zeros, _split_micro(batch, num_micro, place.batch))
+    keys_M = jax.random.split(jax.random.key(0) if rng is None else rng, num_micro)
+    micro_M = _split_micro(batch, num_micro, place.batch)
+    grads, metrics_M = jax.lax.scan(body, zeros, (micro_M, keys_M))
     grads = jax.tree.map(lambda g, p: jnp.zeros_like(p) if g is None else g, grads, params,
                          is_leaf=is_none)
     return grads, jax.tree.map(lambda m: m.sum(0), metrics_M)
@@ -128,20 +157,27 @@ def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.Grad
     norm is NaN or infinite); with `skip_nonfinite` such an update is left out: parameters
     and optimizer state come back unchanged (the step counter and RNG still advance)."""
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        train = trainable(state.params, freeze)
+        if place.frozen is not None:
+            train = jax.tree.map(lambda t, f: t and not f, train, place.frozen)
+        key, dropout_key = jax.random.split(jax.random.wrap_key_data(state.rng))
         grads, metrics = accumulate_grads(spec, objective, place, num_micro, state.params, batch,
-                                          trainable(state.params, freeze))
+                                          train, dropout_key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["update_norm"] = optax.tree.norm(updates)
         finite = jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(metrics.get("loss", 0.0))
         metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
-        params = optax.apply_updates(state.params, updates)
+        # Frozen parameters are passed through, not added to a zero update: with LoRA that
+        # would touch every base weight each step.
+        params = jax.tree.map(lambda p, u, t: (p + u).astype(p.dtype) if t else p,
+                              state.params, updates, train)
         if skip_nonfinite:
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
             params = jax.tree.map(keep, params, state.params)
             opt_state = jax.tree.map(keep, opt_state, state.opt_state)
-        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                               rng=jax.random.key_data(key))
         return new_state, metrics
 
     return jax.jit(step, in_shardings=(place.state, place.batch),
@@ -167,6 +203,8 @@ def make_init(spec: ModelSpec, optimizer: optax.GradientTransformation, place: P
         params = load_params()
         if params is None:
             return jax.jit(lambda: init_state(spec, optimizer, seed), out_shardings=place.state)()
+        if place.frozen is not None and not lora.has_adapters(params):  # a base checkpoint
+            params = lora.with_fresh_adapters(spec, params, place.state.params, seed)
         fresh = jax.jit(lambda p: TrainState(
             step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p),
             rng=jax.random.key_data(jax.random.key(seed + 1))),

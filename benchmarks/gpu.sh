@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One command for one H100 / H200: train-step MFU (gemma2b-sized, bf16), decode tokens/s
+# against the HBM-bandwidth bound (gemma2b-sized random weights, batch 256, bf16), and the
+# GRPO step breakdown (rollout / reward / train / sync) of the main job, in under 8 minutes
+# (each part has a time limit; a part that fails or runs out is reported and skipped).
+#
+#   benchmarks/gpu.sh [OUT_DIR]      # GPU: JSON + logs in OUT_DIR, a summary table at the end
+#   benchmarks/gpu.sh --cpu-smoke    # the same pieces at tiny sizes on CPU (checks the script)
+#
+# Parts: benchmarks/train_step.py (MFU, issue 8), benchmarks/decode.py, benchmarks/grpo_step.py.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python
+
+SMOKE=0
+if [ "${1:-}" = "--cpu-smoke" ]; then SMOKE=1; shift; fi
+OUT=${1:-gpu-bench-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+START=$SECONDS
+
+if [ $SMOKE = 1 ]; then
+  export JAX_PLATFORMS=cpu
+  TRAIN_ARGS="--layers 2 --d-model 256 --heads 4 --kv-heads 1 --head-dim 64 --mlp 1024 --vocab 4096
+              --batch 2 --seq 128 --matmul 512 --repeats 2 --attention xla"
+  DECODE_ARGS="--cpu-smoke"
+  GRPO_ARGS="--cpu-smoke"
+  LIMITS=(600 300 300)
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+  TRAIN_ARGS=""  # train_step.py's defaults: gemma2b, bf16, batch 4 x 2048 tokens
+  DECODE_ARGS="--model gemma2b --dtype bfloat16 --batch 256 --prompt-tokens 128 --new-tokens 128"
+  GRPO_ARGS="--steps 6"  # the main job: GRPO on Gemma 3 270M (bf16 on GPU), 4 prompts x G=8
+  LIMITS=(200 110 150)  # seconds: 460 in all, leaving the rest of 8 minutes for start-up
+fi
+
+run_part() {  # name, limit seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit} s) ==="
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s ==="
+  [ $rc = 0 ] || echo "$name: exit $rc (124 = time limit)" >> "$OUT/failed.txt"
+}
+
+# shellcheck disable=SC2086  # the argument lists are meant to split
+run_part train_step "${LIMITS[0]}" "$PY" benchmarks/train_step.py $TRAIN_ARGS --json "$OUT/train_step.json"
+run_part decode "${LIMITS[1]}" "$PY" benchmarks/decode.py $DECODE_ARGS --json "$OUT/decode.json"
+run_part grpo_step "${LIMITS[2]}" "$PY" benchmarks/grpo_step.py $GRPO_ARGS --json "$OUT/grpo_step.json"
+
+"$PY" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+gpu = (out / "gpu.txt").read_text().splitlines()[1:2] if (out / "gpu.txt").exists() else ["cpu"]
+PEAK_BF16 = {"H200": 989.4, "H100": 989.4}  # dense bf16 TFLOP/s (SXM datasheets)
+peak = next((v for k, v in PEAK_BF16.items() if k in (gpu[0] if gpu else "")), None)
+print(f"\n## gpurl on {gpu[0] if gpu else 'unknown'}\n")
+print("| measurement | value | goal |")
+print("| --- | ---: | ---: |")
+
+def load(name):
+    path = out / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+if (ts := load("train_step")) is not None:
+    for r in ts["rows"]:
+        vs_peak = f", {r['tflops'] / peak:.1%} of {peak} TFLOP/s peak" if peak else ""
+        print(f"| train step MFU ({r['attention']}) | {r['mfu']:.1%} of the measured "
+              f"{ts['matmul_tflops']:.1f} TFLOP/s matmul ceiling{vs_peak}; {r['tokens_per_s']:.0f} tok/s | >= 40% |")
+else:
+    print("| train step MFU | not measured (see train_step.log) | >= 40% |")
+if (d := load("decode")) is not None:
+    frac, bound = d.get("fraction_of_bound"), d.get("bound_tok_s")
+    print(f"| decode tok/s, B={d['batch']} {d['dtype']} | {d['decode_tok_s']:.0f} "
+          f"({d['decode_step_ms']} ms/step) | |")
+    shown = f"{frac:.1%} of {bound:.0f} tok/s" if frac else "n/a (unknown bandwidth)"
+    print(f"| decode fraction of the HBM bound | {shown} | >= 50% |")
+else:
+    print("| decode | not measured (see decode.log) | |")
+if (g := load("grpo_step")) is not None:
+    m, s = g["median_s"], g["share"]
+    print(f"| GRPO step (median) | {m['step']} s | |")
+    for p in ("rollout", "reward", "train", "sync"):
+        print(f"| GRPO {p} | {m[p]} s ({s[p]:.0%}) | |")
+else:
+    print("| GRPO step | not measured (see grpo_step.log) | |")
+EOF
+[ -f "$OUT/failed.txt" ] && cat "$OUT/failed.txt"
+echo "gpu.sh: $((SECONDS - START)) s in all; results in $OUT"

@@ -1,0 +1,178 @@
+"""PPO with a learned critic (`algo=ppo`), as RLHF uses it (Ouyang et al. 2022; Ziegler et
+al. 2019), on the same rollouts, rewards and train step as the GRPO family.
+
+Per completion token t (B sequences, N token slots, mask m):
+- reward r_t = -beta KL_t, plus the sequence's score (reward functions and/or a reward
+  model) on its last token (Ziegler et al. 2019, eq. 2; Stiennon et al. 2020, eq. 1);
+  KL_t estimates KL(pi_old || pi_ref) at token t (`algo.kl_estimator`, k1 in the preset);
+- values V_t = V(s_t) of the state before token t from the critic; V after the last token is 0;
+- GAE (Schulman et al. 2016, eqs. 11-16): delta_t = r_t + gamma V_{t+1} - V_t,
+  A_t = delta_t + gamma lambda A_{t+1}; returns R_t = A_t + V_t;
+- advantages whitened over the batch's tokens (`algo.whiten_advantages`);
+- policy loss: the clipped surrogate with token ratios (Schulman et al. 2017, eq. 7;
+  `gpurl.algorithms.grpo.policy_loss` with per-token advantages);
+- value loss: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), the clipped
+  form of OpenAI baselines' PPO2, token mean;
+- loss = policy + vf_coef value - entropy_coef entropy;
+- adaptive KL coefficient (Ziegler et al. 2019, sec. 2.2): e = clip(KL / KL_target - 1,
+  -0.2, 0.2), beta <- beta (1 + e rows / horizon), KL the mean summed KL per sequence.
+
+Batch keys beyond GRPO's (P x G x N unless noted): old_logprobs, ref_logprobs (beta > 0),
+values, returns, and advantages (per token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpurl.algorithms.common import (Batch, Objective, final_states, group_logprobs,
+                                     group_states, kl_estimate, states_logprobs)
+from gpurl.algorithms.grpo import flat_rows, policy_loss
+from gpurl.config import AlgoConfig
+from gpurl.models.scalar import ActorCriticSpec, ScalarSpec, head
+
+
+def token_rewards(scores_B: jax.Array, kl_BxN: jax.Array, mask_BxN: jax.Array,
+                  kl_coef: jax.Array | float) -> jax.Array:
+    """r_t = -beta KL_t on every completion token, plus the score on the last one."""
+    last_BxN = mask_BxN * (1.0 - jnp.concatenate([mask_BxN[:, 1:], jnp.zeros_like(mask_BxN[:, :1])], 1))
+    return (-kl_coef * kl_BxN + scores_B[:, None] * last_BxN) * mask_BxN
+
+
+def gae(rewards_BxN: jax.Array, values_BxN: jax.Array, mask_BxN: jax.Array, gamma: float,
+        lam: float) -> tuple[jax.Array, jax.Array]:
+    """(advantages, returns), B x N, by a reverse scan over tokens; 0 outside the mask."""
+    next_BxN = jnp.concatenate([values_BxN[:, 1:] * mask_BxN[:, 1:],
+                                jnp.zeros_like(values_BxN[:, :1])], axis=1)
+    delta_BxN = (rewards_BxN + gamma * next_BxN - values_BxN) * mask_BxN
+
+    def back(carry_B: jax.Array, xs: tuple[jax.Array, jax.Array]):
+        delta_B, m_B = xs
+        adv_B = (delta_B + gamma * lam * carry_B) * m_B
+        return adv_B, adv_B
+
+    _, adv_NxB = jax.lax.scan(back, jnp.zeros_like(delta_BxN[:, 0]),
+                              (delta_BxN.T, mask_BxN.T), reverse=True)
+    adv_BxN = adv_NxB.T
+    return adv_BxN, (adv_BxN + values_BxN) * mask_BxN
+
+
+def masked_whiten(x_BxN: jax.Array, mask_BxN: jax.Array, eps: float = 1e-8) -> jax.Array:
+    """(x - mean) / std over the masked tokens (unbiased variance); 0 outside the mask."""
+    n = jnp.maximum(mask_BxN.sum(), 1.0)
+    mean = (x_BxN * mask_BxN).sum() / n
+    var = (((x_BxN - mean) ** 2) * mask_BxN).sum() / jnp.maximum(n - 1.0, 1.0)
+    return (x_BxN - mean) * jax.lax.rsqrt(var + eps) * mask_BxN
+
+
+def value_loss(values_BxN: jax.Array, old_BxN: jax.Array, returns_BxN: jax.Array,
+               mask_BxN: jax.Array, clip: float | None, num_tokens: jax.Array) -> jax.Array:
+    """This micro-batch's share of the token-mean clipped value loss (`num_tokens`: global)."""
+    loss_BxN = (values_BxN - returns_BxN) ** 2
+    if clip is not None:
+        clipped_BxN = old_BxN + jnp.clip(values_BxN - old_BxN, -clip, clip)
+        loss_BxN = jnp.maximum(loss_BxN, (clipped_BxN - returns_BxN) ** 2)
+    return 0.5 * (loss_BxN * mask_BxN).sum() / num_tokens
+
+
+def critic_values(spec: ActorCriticSpec, params: Any, batch: Batch,
+                  policy_states_BxN1xD: jax.Array | None = None) -> jax.Array:
+    """V of the state before every completion token, B x N fp32: from the policy's states
+    (shared backbone) or from the critic's own forward pass."""
+    critic = params["critic"]
+    if spec.shared:
+        states = policy_states_BxN1xD
+        if states is None:
+            states = group_states(spec.policy, params["policy"], batch)
+    else:
+        states = group_states(spec.critic.base, critic["backbone"], batch)
+    return head(critic["score"], states[:, :-1])
+
+
+def reward_model_scores(spec: ScalarSpec, params: Any, batch: Batch) -> jax.Array:
+    """A reward model's score of every completion (after its last token), B fp32."""
+    states = group_states(spec.base, params["backbone"], batch)
+    last_BxD = final_states(states, batch["completion_lengths"].reshape(-1))
+    return head(params["score"], last_BxD[:, None])[:, 0]
+
+
+def prepare(cfg: AlgoConfig, spec: ActorCriticSpec, temperature: float, params: Any,
+            ref_params: Any, reward_model: tuple[ScalarSpec, Any] | None, batch: Batch,
+            scores_B: jax.Array, kl_coef: jax.Array) -> tuple[Batch, dict]:
+    """Old log-probs and values, token rewards, GAE advantages and returns of a rollout
+    batch (before the train step; nothing here is differentiated)."""
+    p, g, n = batch["completions"].shape
+    policy = params["policy"]
+    states = group_states(spec.policy, policy, batch)
+    old_BxN = states_logprobs(spec.policy, policy, states, batch, temperature)[0].reshape(-1, n)
+    values_BxN = critic_values(spec, params, batch, states)
+    mask_BxN = batch["comp_mask"].reshape(-1, n)
+    out, stats = dict(batch), {}
+    kl_BxN = jnp.zeros_like(old_BxN)
+    if ref_params is not None:
+        ref_BxN = group_logprobs(spec.policy, ref_params, batch, temperature)[0].reshape(-1, n)
+        out["ref_logprobs"] = ref_BxN.reshape(p, g, n)
+        kl_BxN = kl_estimate(old_BxN, ref_BxN, cfg.kl_estimator) * mask_BxN
+    if reward_model is not None:
+        rm_B = reward_model_scores(reward_model[0], reward_model[1], batch)
+        scores_B = scores_B + rm_B
+        stats["reward/model"] = rm_B.mean()
+    rewards_BxN = token_rewards(scores_B, kl_BxN, mask_BxN, kl_coef)
+    adv_BxN, returns_BxN = gae(rewards_BxN, values_BxN, mask_BxN, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        adv_BxN = masked_whiten(adv_BxN, mask_BxN)
+    grouped = lambda x: x.reshape(p, g, n)  # noqa: E731
+    out.update(old_logprobs=grouped(old_BxN), values=grouped(values_BxN),
+               returns=grouped(returns_BxN), advantages=grouped(adv_BxN))
+    tokens = jnp.maximum(mask_BxN.sum(), 1.0)
+    stats.update({"kl/rollout": kl_BxN.sum(-1).mean(), "kl/coef": jnp.asarray(kl_coef),
+                  "values/mean": (values_BxN * mask_BxN).sum() / tokens,
+                  "returns/mean": (returns_BxN * mask_BxN).sum() / tokens})
+    return out, stats
+
+
+class AdaptiveKL:
+    """The KL coefficient of Ziegler et al. 2019 (sec. 2.2), on the host between steps."""
+
+    def __init__(self, beta: float, target: float | None, horizon: int):
+        self.value, self.target, self.horizon = beta, target, horizon
+
+    def update(self, kl: float, rows: int) -> None:
+        if self.target is None:
+            return
+        error = float(np.clip(kl / self.target - 1.0, -0.2, 0.2))
+        self.value *= 1.0 + error * rows / self.horizon
+
+
+def ppo_objective(cfg: AlgoConfig, max_tokens: int, temperature: float = 1.0) -> Objective:
+    """Policy and critic losses of one batch, differentiated together (each part's
+    gradient reaches only its own parameters unless the backbone is shared)."""
+    def normalizer(batch: Batch) -> dict:
+        mask_BxN = flat_rows(batch)["comp_mask"]
+        return {"tokens": jnp.maximum(mask_BxN.sum(), 1.0),
+                "seqs": jnp.maximum((mask_BxN.sum(-1) > 0).sum(), 1).astype(jnp.float32)}
+
+    def loss(spec: ActorCriticSpec, params: Any, batch: Batch, norm: dict):
+        states = group_states(spec.policy, params["policy"], batch)
+        logp_PxGxN, entropy_PxGxN = states_logprobs(
+            spec.policy, params["policy"], states, batch, temperature,
+            differentiable_entropy=cfg.entropy_coef > 0)
+        rows = flat_rows(batch)
+        mask_BxN = rows["comp_mask"]
+        p_loss, metrics = policy_loss(cfg, logp_PxGxN.reshape(mask_BxN.shape), rows, norm,
+                                      max_tokens)
+        values_BxN = critic_values(spec, params, batch, states)
+        v_loss = value_loss(values_BxN, rows["values"], rows["returns"], mask_BxN,
+                            cfg.value_clip, norm["tokens"])
+        entropy = (entropy_PxGxN.reshape(mask_BxN.shape) * mask_BxN).sum() / norm["tokens"]
+        total = p_loss + cfg.vf_coef * v_loss - cfg.entropy_coef * entropy
+        metrics.update(loss=total, policy_loss=p_loss, value_loss=v_loss, entropy=entropy,
+                       value_error=(jnp.abs(values_BxN - rows["returns"]) * mask_BxN).sum()
+                       / norm["tokens"])
+        return total, metrics
+
+    return Objective(loss=loss, normalizer=normalizer)

@@ -1,0 +1,220 @@
+"""Decoders with a scalar head: reward models and critics, and the PPO actor-critic pair.
+
+A scalar model is the decoder's backbone (everything up to the final norm) plus one
+weight vector `score` (D): its output at a position is `hidden . score`. A reward model
+reads it at the last token of a sequence (Bradley-Terry training, `algo=rm`); a critic
+reads it at every position (PPO values). The backbone is built with tied embeddings so
+it never holds a vocabulary-sized output head it would not use; its HF form is the
+`...ForSequenceClassification` class with `num_labels=1` (`score.weight`, 1 x D, no bias),
+so reward models trained here load in transformers and HF reward models load here.
+
+`ActorCriticSpec` pairs the policy with its critic for PPO: parameters
+{"policy": ..., "critic": ...}, where the critic is a whole scalar model (its own
+backbone) or, with a shared backbone, just {"score"} read off the policy's hidden states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpurl.config import ConfigError, ModelConfig
+from gpurl.models import ModelSpec, Params, model_spec
+
+
+def backbone_config(cfg: ModelConfig) -> ModelConfig:
+    """The architecture of a scalar model's backbone: no separate output head."""
+    return dataclasses.replace(cfg, tie_embeddings=True)
+
+
+@dataclass(frozen=True)
+class ScalarSpec:
+    """A backbone and a score vector: parameters {"backbone": ..., "score": D}."""
+
+    base: ModelSpec  # the backbone (tied embeddings)
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.base.cfg
+
+    @property
+    def abstract_params(self) -> Params:
+        d = self.cfg.d_model
+        return {"backbone": self.base.abstract_params,
+                "score": jax.ShapeDtypeStruct((d,), jnp.float32)}
+
+    @property
+    def logical_axes(self) -> Params:
+        return {"backbone": self.base.logical_axes, "score": ("embed",)}
+
+    def init(self, seed: int) -> Params:
+        # Zero head: a fresh critic predicts 0 and a fresh reward model ties every pair.
+        return {"backbone": self.base.init(seed), "score": jnp.zeros((self.cfg.d_model,), jnp.float32)}
+
+
+def scalar_spec(cfg: ModelConfig) -> ScalarSpec:
+    return ScalarSpec(model_spec(backbone_config(cfg)))
+
+
+def head(score_D: jax.Array, states_BxNxD: jax.Array) -> jax.Array:
+    """The scalar at every state, fp32 (B x N)."""
+    return jnp.einsum("bnd,d->bn", states_BxNxD.astype(jnp.float32), score_D.astype(jnp.float32))
+
+
+def backbone_of(policy: Params) -> Params:
+    """A policy's parameters without a separate output head (the critic's initial backbone)."""
+    return {k: v for k, v in policy.items() if k != "lm_head"}
+
+
+@dataclass(frozen=True)
+class ActorCriticSpec:
+    """PPO's policy and critic as one parameter tree, so one jitted step, one optimizer
+    (with a learning rate per part) and one checkpoint cover both."""
+
+    policy: ModelSpec
+    critic: ScalarSpec
+    shared: bool  # the critic is a score vector on the policy's backbone
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.policy.cfg
+
+    def _critic_tree(self, tree: Params) -> Params:
+        return {"score": tree["score"]} if self.shared else tree
+
+    @property
+    def abstract_params(self) -> Params:
+        return {"policy": self.policy.abstract_params,
+                "critic": self._critic_tree(self.critic.abstract_params)}
+
+    @property
+    def logical_axes(self) -> Params:
+        return {"policy": self.policy.logical_axes,
+                "critic": self._critic_tree(self.critic.logical_axes)}
+
+    def init(self, seed: int) -> Params:
+        policy = self.policy.init(seed)
+        critic = {"score": jnp.zeros((self.cfg.d_model,), jnp.float32)}
+        if not self.shared:
+            critic["backbone"] = backbone_of(policy)
+        return {"policy": policy, "critic": critic}
+
+
+def classifier_architecture(architecture: str) -> str:
+    """transformers' sequence-classification class of a causal-LM architecture."""
+    if architecture == "Gemma3ForCausalLM":  # model_type gemma3_text
+        return "Gemma3TextForSequenceClassification"
+    return architecture.replace("ForCausalLM", "ForSequenceClassification")
+
+
+def export_scalar_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
+                     tokenizer_dir: str | Path | None = None) -> Path:
+    """A scalar model as an HF `...ForSequenceClassification` directory (num_labels 1).
+    Every process must call it; process 0 writes."""
+    from gpurl.models.hf_export import export_hf
+    from gpurl.models.safetensors_io import open_checkpoint, write_tensors
+
+    out = export_hf(params["backbone"], backbone_config(cfg), out_dir, tokenizer_dir)
+    score = np.asarray(jax.device_get(params["score"]), np.float32).reshape(1, -1)
+    if jax.process_index() != 0:
+        return out
+    # Rewrite the file with score.weight added, reading the backbone back from the memory
+    # map of the old file (replaced atomically, so the map stays valid while writing).
+    tensors = dict(open_checkpoint(out))
+    names = sorted(tensors) + ["score.weight"]
+    entries = [(n, np.dtype(tensors[n].dtype), tuple(tensors[n].shape)) for n in names[:-1]]
+    entries.append(("score.weight", np.dtype(np.float32), score.shape))
+    write_tensors(out / "model.safetensors", entries,
+                  lambda i: score if i == len(names) - 1 else np.asarray(tensors[names[i]]),
+                  {"format": "pt"})
+    config_file = out / "config.json"
+    hf = json.loads(config_file.read_text())
+    hf.update(architectures=[classifier_architecture(hf["architectures"][0])], num_labels=1,
+              tie_word_embeddings=cfg.tie_embeddings)
+    hf.setdefault("pad_token_id", 0)
+    config_file.write_text(json.dumps(hf, indent=2) + "\n")
+    return out
+
+
+def load_scalar_hf(path: str | Path, spec: ScalarSpec, shardings: Params) -> Params:
+    """A reward model from an HF `...ForSequenceClassification` directory (one label)."""
+    from gpurl.models.hf import load_hf_params
+    from gpurl.models.safetensors_io import open_checkpoint
+
+    tensors = open_checkpoint(Path(path))
+    score = tensors.get("score.weight")
+    if score is None or score.shape[0] != 1 or score.shape[-1] != spec.cfg.d_model:
+        raise ConfigError(
+            f"{path} holds no one-label score head (score.weight of shape 1 x "
+            f"{spec.cfg.d_model}); point algo.reward_model at a reward model exported by "
+            f"`gpurl export` from an algo=rm run, or at an HF ...ForSequenceClassification "
+            f"checkpoint with num_labels=1.")
+    backbone = load_hf_params(path, spec.base, shardings["backbone"], extra=("score.weight",))
+    score_D = np.asarray(score, np.float32).reshape(-1)
+    return {"backbone": backbone, "score": jax.device_put(score_D, shardings["score"])}
+
+
+def load_initial(spec: Any, shardings: Params, load_lm: Callable[..., Params | None]) -> Params | None:
+    """Initial parameters of any trained tree from the run's checkpoint, each placed on its
+    shards; None for a random init. `load_lm(model_cfg, model_spec, shardings)` loads a
+    language model (`gpurl.models.loading.load_params`). A critic starts as a copy of the
+    policy's backbone with a zero head; a reward model as the checkpoint's backbone."""
+    if isinstance(spec, ScalarSpec):
+        backbone = load_lm(spec.cfg, spec.base, shardings["backbone"])
+        return None if backbone is None else {
+            "backbone": backbone, "score": _zeros(shardings["score"], spec.cfg.d_model)}
+    if not isinstance(spec, ActorCriticSpec):
+        return load_lm(spec.cfg, spec, shardings)
+    policy = load_lm(spec.cfg, spec.policy, shardings["policy"])
+    if policy is None:
+        return None
+    critic = {"score": _zeros(shardings["critic"]["score"], spec.cfg.d_model)}
+    if not spec.shared:  # a copy: the train state donates both trees
+        critic["backbone"] = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                                     out_shardings=shardings["critic"]["backbone"])(
+            backbone_of(policy))
+    return {"policy": policy, "critic": critic}
+
+
+def _zeros(sharding: Any, d: int) -> jax.Array:
+    return jax.device_put(np.zeros((d,), np.float32), sharding)
+
+
+def initial_policy(spec: Any, shardings: Params, seed: int,
+                   load_lm: Callable[..., Params | None], init: Callable[[], Any]) -> Params:
+    """The policy's initial parameters (the frozen reference), without building a whole
+    train state when the policy sits inside PPO's actor-critic tree."""
+    if not isinstance(spec, ActorCriticSpec):
+        return init().params
+    loaded = load_lm(spec.cfg, spec.policy, shardings["policy"])
+    if loaded is not None:
+        return loaded
+    return jax.jit(lambda: spec.policy.init(seed), out_shardings=shardings["policy"])()
+
+
+def load_reward_model(path: str, policy_cfg: ModelConfig, mesh: Any,
+                      rules: Any) -> tuple[ScalarSpec, Params]:
+    """`algo.reward_model`: an HF sequence-classification directory, placed on the trainer
+    mesh (frozen). Its vocabulary must be the policy's: it scores the policy's tokens."""
+    from gpurl.distributed.mesh import tree_shardings
+    from gpurl.models.hf import model_config_from_hf
+
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"algo.reward_model={path} is not an HF directory with config.json; "
+                          f"export an algo=rm run with `gpurl export checkpoint=RUN_DIR out=DIR` "
+                          f"and point algo.reward_model at DIR.")
+    cfg = model_config_from_hf(path, dataclasses.replace(policy_cfg, checkpoint=path))
+    if cfg.vocab_size != policy_cfg.vocab_size:
+        raise ConfigError(f"algo.reward_model={path} has a vocabulary of {cfg.vocab_size} tokens "
+                          f"but the policy's has {policy_cfg.vocab_size}; train the reward model "
+                          f"from the policy's base model (algo=rm) so both read the same tokens.")
+    spec = scalar_spec(cfg)
+    shardings = tree_shardings(spec.abstract_params, spec.logical_axes, rules, mesh)
+    return spec, load_scalar_hf(path, spec, shardings)

@@ -1,0 +1,242 @@
+"""Attention kernels: every implementation equals the jnp reference (outputs and
+gradients) over shapes, dtypes, GQA ratios, windows, soft-caps, padding and packing; the
+reference equals a float64 NumPy transcription; the Pallas kernels (interpreted here)
+lower to Triton for GPUs; `auto` and `cudnn` choose and fall back as documented; a model
+gives the same logits and decode steps with each implementation."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY_MODEL, make_config
+from gpurl.config import ConfigError, ModelConfig
+from gpurl.kernels import attention as attn
+from gpurl.kernels.pallas_attention import flash_attention
+from gpurl.models import init_cache, model_spec
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    b: int = 2
+    t: int = 20
+    s: int = 20  # > t: a KV cache whose first s - t slots hold earlier tokens
+    h: int = 4
+    k: int = 2
+    d: int = 8
+    dtype: str = "float32"
+    window: int | None = None
+    softcap: float | None = None
+    packed: bool = False  # row 1 holds two segments; row 0 ends in padding
+
+
+def inputs(c: Case, seed: int = 0):
+    """q, k, v and (q pos, q seg, kv pos, kv seg) with padding, packing or empty slots."""
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(c.dtype)
+    q = jnp.asarray(rng.standard_normal((c.b, c.t, c.h, c.d)), dt)
+    k = jnp.asarray(rng.standard_normal((c.b, c.s, c.k, c.d)), dt)
+    v = jnp.asarray(rng.standard_normal((c.b, c.s, c.k, c.d)), dt)
+    kv_pos = np.tile(np.arange(c.s), (c.b, 1))
+    kv_seg = np.ones((c.b, c.s), np.int64)
+    kv_seg[0, c.s - 3:] = 0  # padding (or empty cache slots) at the end of row 0
+    if c.packed:
+        cut = c.s // 2 + 1
+        kv_pos[-1, cut:] = np.arange(c.s - cut)
+        kv_seg[-1, cut:] = 2
+    as_i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return (q, k, v), tuple(map(as_i32, (kv_pos[:, c.s - c.t:], kv_seg[:, c.s - c.t:],
+                                         kv_pos, kv_seg)))
+
+
+def value_and_grads(fn, c: Case, seed: int = 0):
+    qkv, mask = inputs(c, seed)
+
+    def loss(q, k, v):
+        o = fn(q, k, v, *mask, scale=0.4, softcap=c.softcap, window=c.window)
+        return jnp.sum(o.astype(jnp.float32) * jnp.cos(o.astype(jnp.float32))), o
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*qkv)
+    return out, grads
+
+
+def assert_close(got, want, dtype: str, what: str) -> None:
+    tol = 2e-2 if dtype == "bfloat16" else 2e-5
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=tol * max(1.0, float(np.abs(want.astype(np.float32)).max())),
+                               rtol=tol, err_msg=what)
+
+
+def small_blocks(*args, **kw):
+    # 16-token blocks give several blocks per axis here, so the online softmax, the block
+    # skipping and the backward loops all see more than one block.
+    return flash_attention(*args, **kw, block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16,
+                           interpret=True)
+
+
+def reference(*args, **kw):
+    return attn.attention(*args, **kw, implementation="xla")
+
+
+CASES = {
+    "mha": Case(h=2, k=2),
+    "gqa-window-softcap-packed": Case(window=5, softcap=2.0, packed=True),
+    "mqa-bf16-softcap": Case(h=4, k=1, d=16, dtype="bfloat16", softcap=3.0, t=33, s=33),
+    "gqa3-d12-packed": Case(h=6, k=2, d=12, packed=True, t=17, s=17),
+    "prefill-into-cache": Case(t=7, s=24, window=9),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pallas_matches_reference(name):
+    c = CASES[name]
+    want, want_grads = value_and_grads(reference, c)
+    got, got_grads = value_and_grads(small_blocks, c)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert_close(got, want, c.dtype, "output")
+    for what, g, w in zip(("dq", "dk", "dv"), got_grads, want_grads):
+        assert_close(g, w, c.dtype, what)
+
+
+@pytest.mark.parametrize("case", [Case(t=1, s=21, h=8, k=2, window=6),
+                                  Case(t=1, s=40, h=4, k=1, d=16, dtype="bfloat16", softcap=5.0)])
+def test_pallas_decode_step_matches_reference(case):
+    """One query token against a cache with empty slots (the folded-group decode path)."""
+    qkv, mask = inputs(case)
+    kw = dict(scale=0.4, softcap=case.softcap, window=case.window)
+    want = jax.jit(lambda *a: reference(*a, **kw))(*qkv, *mask)
+    got = jax.jit(lambda *a: attn.attention(*a, **kw, implementation="pallas"))(*qkv, *mask)
+    assert_close(got, want, case.dtype, "decode output")
+
+
+def test_reference_matches_numpy_float64():
+    c = Case(window=4, softcap=2.0, packed=True, t=6, s=9)
+    (q, k, v), (qp, qs, kp, ks) = inputs(c)
+    got = attn.attention(q, k, v, qp, qs, kp, ks, scale=0.4, softcap=2.0, window=4)
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    qp, qs, kp, ks = (np.asarray(x) for x in (qp, qs, kp, ks))
+    for b in range(c.b):
+        for h in range(c.h):
+            logits = 2.0 * np.tanh(q[b, :, h] @ k[b, :, h // 2].T * 0.4 / 2.0)
+            d = qp[b][:, None] - kp[b][None, :]
+            visible = (d >= 0) & (d < 4) & (qs[b][:, None] == ks[b][None, :]) & (ks[b] != 0)
+            p = np.where(visible, np.exp(logits - logits.max(-1, keepdims=True)), 0.0)
+            want = p / np.maximum(p.sum(-1, keepdims=True), 1e-300) @ v[b, :, h // 2]
+            np.testing.assert_allclose(np.asarray(got[b, :, h]), want, atol=1e-5)
+
+
+def test_pallas_kernels_lower_to_triton():
+    """CI has no GPU: lowering for CUDA still checks every primitive has a Triton rule."""
+    def grads(*args):
+        def loss(q, k, v):
+            return flash_attention(q, k, v, *args[3:], scale=0.1, softcap=30.0, window=64
+                                   ).astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(*args[:3])
+
+    def decode(*args):
+        return flash_attention(*args, scale=0.1)
+
+    bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    for fn, t, s, kernels in ((grads, 96, 96, 3), (decode, 1, 80, 1)):
+        args = (bf16(2, t, 8, 256), bf16(2, s, 1, 256), bf16(2, s, 1, 256),
+                i32(2, t), i32(2, t), i32(2, s), i32(2, s))
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("xla.gpu.triton") == kernels
+
+
+def test_auto_picks_xla_on_cpu_and_logs_once(caplog, monkeypatch):
+    monkeypatch.setattr(attn, "_logged", set())
+    with caplog.at_level(logging.INFO, logger=attn.__name__):
+        assert attn.resolve("auto", "cpu") == "xla"
+        assert attn.resolve("auto", "cpu") == "xla"
+    assert len(caplog.records) == 1 and "auto -> xla on cpu" in caplog.records[0].message
+    assert attn.resolve("auto", "gpu") == "cudnn"
+    assert attn.resolve("pallas", "gpu") == "pallas"
+
+
+def test_cudnn_off_gpu_and_unknown_names_are_one_sentence_errors():
+    with pytest.raises(ValueError, match=r"needs a CUDA GPU .* use model.attention=auto or xla\.$"):
+        attn.resolve("cudnn", "cpu")
+    with pytest.raises(ValueError, match=r"unknown; use one of auto, xla, cudnn, pallas\.$"):
+        attn.resolve("flash", "cpu")
+    with pytest.raises(ConfigError, match="model.attention"):
+        ModelConfig(attention="flash")
+
+
+def test_cudnn_calls_it_cannot_express_fall_back_to_pallas(caplog, monkeypatch):
+    """Decided per call from static facts; the fallback runs (interpreted) and is logged."""
+    unsupported = attn._cudnn_unsupported
+    q, k = jnp.zeros((1, 4, 2, 64), jnp.bfloat16), jnp.zeros((1, 4, 1, 64), jnp.bfloat16)
+    assert unsupported(q, k, None, True) == ""
+    assert "soft-cap" in unsupported(q, k, 50.0, True)
+    assert "KV cache" in unsupported(q, k, None, False)
+    assert "float32" in unsupported(q.astype(jnp.float32), k, None, True)
+    assert "head width" in unsupported(jnp.zeros((1, 4, 2, 12), jnp.bfloat16), k, None, True)
+    c = Case(t=9, s=9, softcap=2.0)
+    monkeypatch.setattr(attn, "_logged", set())
+    with caplog.at_level(logging.INFO, logger=attn.__name__):
+        qkv, mask = inputs(c)
+        got = attn.attention(*qkv, *mask, scale=0.4, softcap=2.0, contiguous=True,
+                             implementation="cudnn")
+    assert "cudnn -> pallas" in caplog.text
+    assert_close(got, reference(*qkv, *mask, scale=0.4, softcap=2.0), c.dtype, "fallback")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN attention needs a CUDA GPU (CPU CI tests its "
+                    "fallback and lowering only)")
+@pytest.mark.parametrize("window", [None, 7])
+def test_cudnn_matches_reference(window):
+    c = Case(t=64, s=64, h=8, k=2, d=64, dtype="bfloat16", window=window, packed=True)
+
+    def cudnn(*args, **kw):
+        return attn.attention(*args, **kw, contiguous=True, implementation="cudnn")
+
+    want, want_grads = value_and_grads(reference, c)
+    got, got_grads = value_and_grads(cudnn, c)
+    assert_close(got, want, c.dtype, "output")
+    for what, g, w in zip(("dq", "dk", "dv"), got_grads, want_grads):
+        assert_close(g, w, c.dtype, what)
+
+
+# Gemma 2-like tiny model: GQA, a sliding window on layer 0, attention soft-cap.
+MODEL = dict(TINY_MODEL, sliding_window=4, global_every=2, attn_softcap=20.0)
+
+
+def _spec(implementation: str):
+    return model_spec(make_config(model=dict(MODEL, attention=implementation)).model)
+
+
+def test_model_logits_and_decode_equal_for_each_implementation():
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(3, 259, (2, 10)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (2, 10))
+    segments = jnp.asarray([[1] * 10, [1] * 7 + [0] * 3], jnp.int32)
+    spec = _spec("xla")
+    params = jax.jit(lambda: spec.init(0))()
+    # One prefilled cache (row 1 has 3 padded slots) serves both decode steps.
+    _, cache = jax.jit(spec.hidden)(params, tokens, positions, segments,
+                                    init_cache(spec.cfg, 2, 12))
+
+    def run(implementation: str):
+        spec = _spec(implementation)
+
+        @jax.jit
+        def forward_and_decode(params, cache):
+            logits = spec.apply(params, tokens, positions, segments)
+            step, _ = spec.hidden(params, tokens[:, :1], jnp.asarray([[10], [7]], jnp.int32),
+                                  jnp.ones((2, 1), jnp.int32), cache)
+            return logits, spec.logits(params, step)
+
+        return [np.asarray(x) for x in forward_and_decode(params, cache)]
+
+    want, got = run("xla"), run("pallas")
+    for what, g, w in zip(("logits", "decode logits"), got, want):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=what)
