@@ -344,6 +344,26 @@ def test_seeds_fix_the_sample(gemma2: Tiny) -> None:
     assert all((first[0][i] != other[0][i]).any() for i in range(4))
 
 
+def test_repeated_prompts_prefill_once_and_sample_the_same(gemma2: Tiny) -> None:
+    """An RL batch repeats each prompt G times: `prepare` finds the runs and the prompt is
+    prefilled once per run (its KV cache repeated), with the tokens and log-probs of
+    prefilling every row."""
+    from gpurl.rollout.sampler import Prepared
+
+    sampler = gemma2.sampler("nucleus")
+    prompts = [PROMPTS[1]] * 4 + [PROMPTS[3]] * 4
+    seeds = list(range(20, 28))
+    shared = sampler.prepare(prompts, seeds)
+    assert shared.group == 4
+    per_row = Prepared(tuple(shared), 1)
+    a = _rows(sampler.generate_prepared(gemma2.params, shared), 8)
+    b = _rows(sampler.generate_prepared(gemma2.params, per_row), 8)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_allclose(a[2], b[2], atol=2e-6)
+    assert sampler.prepare(PROMPTS, SEEDS).group == 1
+
+
 # -------------------------------------------------------------------------------- stops
 
 
