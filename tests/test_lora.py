@@ -76,7 +76,7 @@ def test_lora_sft_learns_and_checkpoints_only_adapters(sft_run):
     spec = model_spec(cfg.model)
     adapter_sizes = sorted(int(np.prod(x.shape)) for p, x in
                            jax.tree_util.tree_flatten_with_path(spec.abstract_params)[0]
-                           if lora.SUFFIX + "/" in lora._path(p))
+                           if lora.SUFFIX + "/" in lora.param_path(p))
     assert len(adapter_sizes) == 2 * 7 * cfg.model.num_layers
     meta = ocp.StandardCheckpointer().metadata(run / "checkpoints" / "10" / "state")
     arrays = {k: v.shape for k, v in (getattr(meta, "item_metadata", None) or meta).items()

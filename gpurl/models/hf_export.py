@@ -129,11 +129,13 @@ def _copy_tokenizer(tokenizer_dir: str | Path, out: Path) -> None:
 
 
 def export_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
-              tokenizer_dir: str | Path | None = None) -> Path:
+              tokenizer_dir: str | Path | None = None,
+              extra: dict[str, np.ndarray] | None = None) -> Path:
     """Write `params` as a HF checkpoint (config.json, model.safetensors, tokenizer files).
 
     Every process must call it (sharded arrays are gathered collectively); process 0 writes.
-    One tensor at a time is on the host.
+    One tensor at a time is on the host. `extra` adds host tensors by HF name (a reward
+    model's score head).
     """
     out = Path(out_dir)
     hf = {**hf_config_dict(cfg), **_special_ids(tokenizer_dir)}
@@ -143,8 +145,12 @@ def export_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
     if writer:
         out.mkdir(parents=True, exist_ok=True)
     entries = [(t.name, np.dtype(_get(params, t.path).dtype), t.shape) for t in layout]
+    extra = list((extra or {}).items())
+    entries += [(name, x.dtype, x.shape) for name, x in extra]
 
     def fetch(i: int) -> np.ndarray:
+        if i >= len(layout):
+            return extra[i - len(layout)][1]
         t = layout[i]
         x = _host(_get(params, t.path))
         return x.reshape(t.shape[::-1]).T if t.transpose else x.reshape(t.shape)

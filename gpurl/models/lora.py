@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gpurl.config import ConfigError, LoraConfig, ModelConfig, OptimConfig
+from gpurl.train.optim import param_path
 
 SUFFIX = "_lora"  # "q" is adapted by "q_lora": {"a": in x r, "b": r x out}
 # (module, weight) -> how many leading axes of the weight are its input
@@ -134,12 +135,8 @@ def attach(model: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
 
 # ---------------------------------------------------------------------------- the tree
 
-def _path(path: tuple) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def has_adapters(tree: Any) -> bool:
-    return any(f"{SUFFIX}/" in _path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+    return any(f"{SUFFIX}/" in param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
 
 
 def frozen_base(tree: Any) -> Any:
@@ -148,7 +145,7 @@ def frozen_base(tree: Any) -> Any:
     if not has_adapters(tree):
         return jax.tree.map(lambda _: False, tree)
     base = re.compile(BASE_PATTERN)
-    return jax.tree_util.tree_map_with_path(lambda p, _: bool(base.search(_path(p))), tree)
+    return jax.tree_util.tree_map_with_path(lambda p, _: bool(base.search(param_path(p))), tree)
 
 
 def optim_config(optim: OptimConfig, model: ModelConfig) -> OptimConfig:
@@ -220,7 +217,7 @@ def disabled(params: Any) -> Any:
     """`params` with every adapter's B at zero, so the model computes exactly its base:
     a LoRA run's reference model, sharing the base arrays (no second copy)."""
     def zero_b(path: tuple, x: Any) -> Any:
-        keys = _path(path).split("/")
+        keys = param_path(path).split("/")
         is_b = len(keys) > 1 and keys[-2].endswith(SUFFIX) and keys[-1] == "b"
         return jnp.zeros_like(x) if is_b else x
     return jax.tree_util.tree_map_with_path(zero_b, params)

@@ -119,21 +119,12 @@ def export_scalar_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
     """A scalar model as an HF `...ForSequenceClassification` directory (num_labels 1).
     Every process must call it; process 0 writes."""
     from gpurl.models.hf_export import export_hf
-    from gpurl.models.safetensors_io import open_checkpoint, write_tensors
 
-    out = export_hf(params["backbone"], backbone_config(cfg), out_dir, tokenizer_dir)
     score = np.asarray(jax.device_get(params["score"]), np.float32).reshape(1, -1)
+    out = export_hf(params["backbone"], backbone_config(cfg), out_dir, tokenizer_dir,
+                    extra={"score.weight": score})
     if jax.process_index() != 0:
         return out
-    # Rewrite the file with score.weight added, reading the backbone back from the memory
-    # map of the old file (replaced atomically, so the map stays valid while writing).
-    tensors = dict(open_checkpoint(out))
-    names = sorted(tensors) + ["score.weight"]
-    entries = [(n, np.dtype(tensors[n].dtype), tuple(tensors[n].shape)) for n in names[:-1]]
-    entries.append(("score.weight", np.dtype(np.float32), score.shape))
-    write_tensors(out / "model.safetensors", entries,
-                  lambda i: score if i == len(names) - 1 else np.asarray(tensors[names[i]]),
-                  {"format": "pt"})
     config_file = out / "config.json"
     hf = json.loads(config_file.read_text())
     hf.update(architectures=[classifier_architecture(hf["architectures"][0])], num_labels=1,
@@ -188,15 +179,16 @@ def _zeros(sharding: Any, d: int) -> jax.Array:
 
 
 def initial_policy(spec: Any, shardings: Params, seed: int,
-                   load_lm: Callable[..., Params | None], init: Callable[[], Any]) -> Params:
-    """The policy's initial parameters (the frozen reference), without building a whole
-    train state when the policy sits inside PPO's actor-critic tree."""
-    if not isinstance(spec, ActorCriticSpec):
-        return init().params
-    loaded = load_lm(spec.cfg, spec.policy, shardings["policy"])
+                   load_lm: Callable[..., Params | None]) -> Params:
+    """The language model's initial parameters (the frozen reference), loaded or drawn from
+    `seed` like the train state's, without building a train state (optimizer moments)."""
+    policy = spec.policy if isinstance(spec, ActorCriticSpec) else spec
+    if isinstance(spec, ActorCriticSpec):
+        shardings = shardings["policy"]
+    loaded = load_lm(policy.cfg, policy, shardings)
     if loaded is not None:
         return loaded
-    return jax.jit(lambda: spec.policy.init(seed), out_shardings=shardings["policy"])()
+    return jax.jit(lambda: policy.init(seed), out_shardings=shardings)()
 
 
 def load_reward_model(path: str, policy_cfg: ModelConfig, mesh: Any,

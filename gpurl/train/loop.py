@@ -227,7 +227,7 @@ def _rl_parts(cfg: Config, spec, tokenizer, place: Placement, step_fn, init) -> 
                            if eval_rows else (None, 0))
     # The reference is the initial policy; it is rebuilt (not checkpointed) on resume.
     # With LoRA the reference is the frozen base inside the train state (RLStepper).
-    ref = (initial_policy(spec, place.state.params, cfg.train.seed, loading.load_params, init)
+    ref = (initial_policy(spec, place.state.params, cfg.train.seed, loading.load_params)
            if cfg.algo.beta > 0 and not cfg.model.lora.rank else None)
     reward_model = (load_reward_model(cfg.algo.reward_model, cfg.model, place.mesh,
                                       cfg.mesh.train_rules) if cfg.algo.reward_model else None)

@@ -217,6 +217,8 @@ class RLStepper:
         # answer check) only report; the reward model's score is the reward.
         self.function_weight = 0.0 if reward_model is not None and not cfg.rewards else 1.0
         self.kl = ppo.AdaptiveKL(cfg.algo.beta, cfg.algo.kl_target, cfg.algo.kl_horizon)
+        # LoRA: the reference is the train state's own frozen base (adapters read as 0)
+        self.base_ref = ref_params is None and cfg.algo.beta > 0 and cfg.model.lora.rank > 0
         self.group = cfg.algo.num_generations
         self.rewards = load_rewards(reward_names, cfg.reward_weights or None,
                                     cfg.rewards_on_error, cfg.reward_timeout_s)
@@ -284,6 +286,8 @@ class RLStepper:
                     batch: dict, rewards_K: jax.Array, kl_coef: jax.Array) -> tuple[dict, dict]:
         """Reference / old log-probs, KL-in-reward, advantages (PPO: values, GAE)."""
         algo, temp = self.cfg.algo, self.cfg.rollout.temperature
+        if self.base_ref:
+            ref_params = lora.disabled(algorithms.policy_params(self.spec, params))
         if self.actor_critic:
             rm = None if reward_model is None else (self.reward_model[0], reward_model)
             return ppo.prepare(algo, self.spec, temp, params, ref_params, rm, batch,
@@ -349,10 +353,7 @@ class RLStepper:
                         r.rollout.logprobs)) for r in rounds]
         batch = self._assemble(parts, jnp.asarray(select_K, jnp.int32), jnp.asarray(keep_K))
         rm_params = None if self.reward_model is None else self.reward_model[1]
-        ref = self.ref_params
-        if ref is None and cfg.algo.beta > 0 and cfg.model.lora.rank:  # the frozen base
-            ref = lora.disabled(algorithms.policy_params(self.spec, state.params))
-        batch, prepared = self._prepare(state.params, ref, rm_params, batch,
+        batch, prepared = self._prepare(state.params, self.ref_params, rm_params, batch,
                                         jnp.asarray(rewards_K), jnp.float32(self.kl.value))
         metrics_dev: dict[str, Any] = {}
         nonfinite = 0.0
