@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 EXTRAS ?= dev
 
-.PHONY: install slurm train test clean
+.PHONY: install slurm train test test-fast clean
 
 $(BIN)/gpurl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ train: install
 # The full test suite (CPU; several forced host devices per test process).
 test: install slurm
 	$(BIN)/python -m pytest $(ARGS)
+
+# The unit tier: every test without a tier marker (pyproject.toml lists them), under 3 min.
+FAST_TIER := not (multiprocess or slurm or realmodel or e2e or gpu)
+test-fast: install
+	$(BIN)/python -m pytest -m "$(FAST_TIER)" $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs outputs multirun

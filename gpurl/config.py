@@ -1,10 +1,15 @@
-"""Typed schemas of every config group.
+"""Typed schemas of every config group, and the choice enums their fields take.
 
 Hydra composes YAML files in `configs/` over these schemas (registered in its
 ConfigStore by `gpurl.cli`), so a typo in a key or a value of the wrong type fails at
 composition. `gpurl.cli` converts the composed config once into these frozen
 dataclasses; nothing below the CLI sees omegaconf. Every field carries a comment: it
 is the documentation of the key (`gpurl train --cfg job` prints the values).
+
+The `algo` group has one schema per family of algorithms (SFT, policy gradient: the GRPO
+family and PPO, preference optimization); each option in `configs/algo/` names the schema
+it fills, and `gpurl.algorithms.registry` maps an algorithm's name to its schema. This
+module imports nothing from gpurl: it is the leaf every other module may import.
 """
 
 from __future__ import annotations
@@ -15,25 +20,64 @@ import keyword
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 
 class ConfigError(ValueError):
     """A config value a user set is invalid; the message names the key and the fix."""
 
 
-class AlgoName(str, enum.Enum):
-    SFT = "sft"
+# ---------------------------------------------------------------- choice enums
+# Values of string-valued keys. The algorithms' enums key registries of pure functions
+# (gpurl/algorithms/policy_gradient.py, dpo.py): one function per member, tested.
+
+
+class KLEstimator(str, enum.Enum):
+    """Per-token estimators of KL(pi || pi_ref) (Schulman 2020)."""
+
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+
+
+class LossAgg(str, enum.Enum):
+    """How per-token losses become one number (each names its normalizer)."""
+
+    TOKEN_MEAN = "token_mean"
+    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
+    SEQ_MEAN_TOKEN_SUM = "seq_mean_token_sum"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"
+
+
+class Advantage(str, enum.Enum):
+    """Advantage estimators over the G completions of a prompt."""
+
     GRPO = "grpo"
-    GSPO = "gspo"
-    DAPO = "dapo"
     DRGRPO = "drgrpo"
     RLOO = "rloo"
-    DPO = "dpo"
-    SIMPO = "simpo"
-    ORPO = "orpo"
-    PPO = "ppo"
-    RM = "rm"
+
+
+class ImportanceRatio(str, enum.Enum):
+    """The policy ratio the clipped surrogate uses: per token, or GSPO's per sequence."""
+
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+    SEQUENCE_TOKEN = "sequence_token"
+
+
+class DPOLoss(str, enum.Enum):
+    """DPO's loss on the reference-normalized log-ratio margin."""
+
+    SIGMOID = "sigmoid"
+    IPO = "ipo"
+    HINGE = "hinge"
+
+
+class CriticBackbone(str, enum.Enum):
+    """Where PPO's value head reads its states."""
+
+    SEPARATE = "separate"
+    SHARED = "shared"
 
 
 class LoggerName(str, enum.Enum):
@@ -48,6 +92,8 @@ class Placement(str, enum.Enum):
 
 DTYPES = ("float32", "bfloat16", "float16")
 
+_EnumT = typing.TypeVar("_EnumT", bound=enum.Enum)
+
 
 def _choice(key: str, value: str, choices: tuple[str, ...] | type[enum.Enum]) -> None:
     names = tuple(c.value for c in choices) if isinstance(choices, type) else choices
@@ -55,16 +101,30 @@ def _choice(key: str, value: str, choices: tuple[str, ...] | type[enum.Enum]) ->
         raise ConfigError(f"{key}={value!r} is not valid; use one of: {', '.join(names)}.")
 
 
+_ValueT = typing.TypeVar("_ValueT")
+
+
+def lookup(table: typing.Mapping[str, _ValueT], value: str, key: str) -> _ValueT:
+    """`table[value]` for the config key `key`; a missing value is one sentence naming the
+    valid ones (registries of algorithms and model families)."""
+    try:
+        return table[value]
+    except KeyError:
+        raise ConfigError(f"{key}={value!r} is not valid; use one of: "
+                          f"{', '.join(table)}.") from None
+
+
+def _enum(obj: Any, name: str, key: str, choices: type[_EnumT]) -> None:
+    """Checks field `name` of a frozen dataclass against `choices` and stores the member."""
+    value = getattr(obj, name)
+    _choice(key, value, choices)
+    object.__setattr__(obj, name, choices(value))
+
+
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{key}={value} is not valid; set it to a number {bound}.")
-
-
-def _check_reward_weights(rewards: Any, weights: Any) -> None:
-    if weights and len(weights) != len(rewards):
-        raise ConfigError(f"{len(rewards)} rewards but {len(weights)} reward_weights; give "
-                          f"one weight per reward function.")
 
 
 def _tuplify(obj: Any) -> None:
@@ -79,31 +139,49 @@ def _tuplify(obj: Any) -> None:
                 {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
 
 
-RL_ALGOS = ("grpo", "gspo", "dapo", "drgrpo", "rloo", "ppo")
-# Learn from (prompt, chosen, rejected) pairs; only dpo needs a reference model; rm
-# trains a reward model (a scalar head) rather than the policy.
-PREFERENCE_ALGOS = ("dpo", "simpo", "orpo", "rm")
-DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+# ---------------------------------------------------------------- algo: one schema per family
 
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    """The objective. Presets in configs/algo/ carry each paper's published values."""
+    """The objective. Each option of configs/algo/ fills one of the schemas below (the
+    first line of its defaults list names it) with the published values of its paper."""
 
-    name: str = "sft"  # sft, grpo, gspo, dapo, drgrpo, rloo, ppo, dpo, simpo, orpo, rm
-    # SFT: cross-entropy label smoothing in [0, 1); dpo (sigmoid) and simpo: the share
-    # eps in [0, 0.5) of pairs assumed flipped (conservative DPO, Mitchell 2023)
-    label_smoothing: float = 0.0
-    num_generations: int = 8  # RL: completions G sampled per prompt
-    beta: float = 0.0  # RL: KL coefficient to the frozen reference (0 = no reference pass); dpo, simpo: reward scale
+    # registered algorithm (gpurl/algorithms/registry.py): sft, grpo, gspo, dapo, drgrpo,
+    # rloo, ppo, dpo, simpo, orpo, rm
+    name: str = "sft"
+    schema: ClassVar[str] = "algo"  # ConfigStore name of the schema: gpurl_<schema>
+
+
+@dataclass(frozen=True)
+class SFTConfig(AlgoConfig):
+    """Supervised fine-tuning (`algo=sft`)."""
+
+    schema: ClassVar[str] = "algo_sft"
+    label_smoothing: float = 0.0  # cross-entropy label smoothing in [0, 1)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(
+                f"algo.label_smoothing={self.label_smoothing} is not valid; use a value in [0, 1).")
+
+
+@dataclass(frozen=True)
+class PolicyGradientConfig(AlgoConfig):
+    """What every RL algorithm shares: sampling G completions per prompt, the clipped
+    surrogate with its importance ratio, the KL term, the loss aggregation, and reward
+    shaping. `GRPOConfig` adds group advantages, `PPOConfig` a critic."""
+
+    schema: ClassVar[str] = "algo_policy_gradient"
+    name: str = "grpo"
+    num_generations: int = 8  # completions G sampled per prompt
+    beta: float = 0.0  # KL coefficient to the frozen reference (0 = no reference pass)
     kl_estimator: str = "k3"  # k1, k2 or k3 (Schulman 2020)
     kl_in_reward: bool = False  # subtract beta * KL from the reward instead of adding it to the loss
     epsilon: float = 0.2  # ratio clip: lower bound 1 - epsilon
     epsilon_high: Optional[float] = None  # clip-higher upper bound 1 + epsilon_high; null = epsilon
     dual_clip: Optional[float] = None  # bound the loss of negative advantages at -c*A (c > 1); null = off
     loss_agg: str = "seq_mean_token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm
-    advantage: str = "grpo"  # grpo (mean/std), drgrpo (mean only), rloo (leave-one-out)
-    adv_eps: float = 1e-4  # added to the group std (grpo advantages)
     importance: str = "token"  # token ratios (GRPO/PPO), sequence (GSPO) or sequence_token (GSPO-token)
     num_iterations: int = 1  # optimizer passes over each batch; > 1 uses the old log-probs
     tis_cap: Optional[float] = None  # truncated importance sampling vs the sampler's log-probs; null = off
@@ -111,78 +189,161 @@ class AlgoConfig:
     max_refills: int = 4  # dynamic sampling: extra rollout rounds per step at most
     overlong_buffer: int = 0  # DAPO overlong shaping: penalty ramps over the last N tokens; 0 = off
     overlong_penalty: float = 1.0  # DAPO overlong shaping: penalty at the length limit
-    dpo_loss: str = "sigmoid"  # dpo: sigmoid (Rafailov 2023), ipo (Azar 2023) or hinge (SLiC, Zhao 2023)
-    simpo_gamma: float = 0.5  # simpo: target reward margin gamma (Meng 2024)
-    orpo_lambda: float = 0.1  # orpo: weight lambda of the odds-ratio term beside the chosen NLL (Hong 2024)
-    gamma: float = 1.0  # ppo: discount of GAE (Schulman 2016)
-    lam: float = 0.95  # ppo: GAE lambda (bias-variance trade-off of the advantage estimate)
-    whiten_advantages: bool = True  # ppo: advantages to zero mean, unit variance over the batch's tokens
-    critic: str = "separate"  # ppo: separate (a value head on its own backbone) or shared (on the policy's backbone)
-    critic_lr: Optional[float] = None  # ppo: learning rate of the critic (same schedule as the policy); null = optim.lr
-    vf_coef: float = 0.5  # ppo: weight of the value loss in the total loss
-    value_clip: Optional[float] = 0.2  # ppo: clip new values to old +- this (PPO2 value clipping); null = off
-    entropy_coef: float = 0.0  # ppo: entropy bonus weight (the loss subtracts coef * mean token entropy)
-    kl_target: Optional[float] = None  # ppo: adaptive KL coefficient aiming at this KL per sequence (Ziegler 2019); null = fixed beta
-    kl_horizon: int = 10000  # ppo adaptive KL: beta changes by at most 20% x rows / horizon per step
-    reward_model: Optional[str] = None  # ppo: HF ...ForSequenceClassification dir (e.g. `gpurl export` of an rm run) whose score is the reward
+    # HF ...ForSequenceClassification dir (e.g. `gpurl export` of an rm run) whose score is
+    # added to the reward on device; with no `rewards` named, the data's functions only report
+    reward_model: Optional[str] = None
 
     def __post_init__(self) -> None:
-        from gpurl.algorithms.common import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS
-
-        _choice("algo.name", self.name, AlgoName)
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError(
-                f"algo.label_smoothing={self.label_smoothing} is not valid; use a value in [0, 1).")
-        _choice("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _choice("algo.loss_agg", self.loss_agg, LOSS_AGGS)
-        _choice("algo.advantage", self.advantage, ADVANTAGES)
-        _choice("algo.importance", self.importance, ("token", "sequence", "sequence_token"))
+        _enum(self, "kl_estimator", "algo.kl_estimator", KLEstimator)
+        _enum(self, "loss_agg", "algo.loss_agg", LossAgg)
+        _enum(self, "importance", "algo.importance", ImportanceRatio)
         _positive("algo.beta", self.beta, allow_zero=True)
         _positive("algo.epsilon", self.epsilon)
         for key in ("num_iterations", "num_generations"):
             _positive(f"algo.{key}", getattr(self, key))
-        self._check_ppo()
-        if self.name in RL_ALGOS and self.name != "ppo" and self.num_generations < 2:
-            raise ConfigError(f"algo.num_generations={self.num_generations} gives no group to "
-                              f"compare; use at least 2.")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ConfigError(f"algo.dual_clip={self.dual_clip} must exceed 1; use e.g. 3 or null.")
-        _choice("algo.dpo_loss", self.dpo_loss, DPO_LOSSES)
-        _positive("algo.simpo_gamma", self.simpo_gamma, allow_zero=True)
-        _positive("algo.orpo_lambda", self.orpo_lambda, allow_zero=True)
-        if self.name in ("dpo", "simpo"):
-            _positive("algo.beta", self.beta)
-        if self.name in PREFERENCE_ALGOS and self.label_smoothing:
-            smoothed = self.name == "simpo" or (self.name == "dpo" and self.dpo_loss == "sigmoid")
-            if not smoothed or self.label_smoothing >= 0.5:
-                raise ConfigError(
-                    f"algo.label_smoothing={self.label_smoothing} is not valid for algo={self.name}"
-                    f"{' algo.dpo_loss=' + self.dpo_loss if self.name == 'dpo' else ''}; it needs "
-                    f"algo.dpo_loss=sigmoid or algo=simpo and a value in [0, 0.5).")
-
-    def _check_ppo(self) -> None:
-        _choice("algo.critic", self.critic, ("separate", "shared"))
-        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
-            raise ConfigError(f"algo.gamma={self.gamma} and algo.lam={self.lam} must lie in [0, 1].")
-        for key in ("vf_coef", "entropy_coef"):
-            _positive(f"algo.{key}", getattr(self, key), allow_zero=True)
-        for key in ("critic_lr", "value_clip", "kl_target"):
-            if getattr(self, key) is not None:
-                _positive(f"algo.{key}", getattr(self, key))
-        _positive("algo.kl_horizon", self.kl_horizon)
-        if self.name == "ppo" and self.beta > 0 and not self.kl_in_reward:
-            raise ConfigError("algo=ppo puts the KL penalty in the per-token reward; set "
-                              "algo.kl_in_reward=true (or algo.beta=0 for no penalty).")
-        if self.kl_target is not None and self.beta <= 0:
-            raise ConfigError(f"algo.kl_target={self.kl_target} adapts a KL coefficient that "
-                              f"starts at algo.beta=0; set algo.beta > 0 (e.g. 0.05).")
 
     @property
     def clip_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
-FAMILIES = ("gemma", "gemma2", "gemma3", "llama", "qwen2", "qwen3")
+@dataclass(frozen=True)
+class GRPOConfig(PolicyGradientConfig):
+    """GRPO and its variants (`algo=grpo`, `gspo`, `dapo`, `drgrpo`, `rloo`): advantages
+    from the rewards of each prompt's G completions."""
+
+    schema: ClassVar[str] = "algo_grpo"
+    advantage: str = "grpo"  # grpo (mean/std), drgrpo (mean only), rloo (leave-one-out)
+    adv_eps: float = 1e-4  # added to the group std (grpo advantages)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _enum(self, "advantage", "algo.advantage", Advantage)
+        if self.num_generations < 2:
+            raise ConfigError(f"algo.num_generations={self.num_generations} gives no group to "
+                              f"compare; use at least 2.")
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """PPO's critic: a value head, on its own backbone or on the policy's."""
+
+    critic: str = "separate"  # separate (a value head on its own backbone) or shared (on the policy's backbone)
+    critic_lr: Optional[float] = None  # learning rate of the critic (same schedule as the policy); null = optim.lr
+    vf_coef: float = 0.5  # weight of the value loss in the total loss
+    value_clip: Optional[float] = 0.2  # clip new values to old +- this (PPO2 value clipping); null = off
+
+    def _check_critic(self) -> None:
+        _enum(self, "critic", "algo.critic", CriticBackbone)
+        _positive("algo.vf_coef", self.vf_coef, allow_zero=True)
+        for key in ("critic_lr", "value_clip"):
+            if getattr(self, key) is not None:
+                _positive(f"algo.{key}", getattr(self, key))
+
+
+@dataclass(frozen=True)
+class KLControlConfig:
+    """PPO's KL coefficient: fixed at algo.beta, or adapted to a target (Ziegler 2019)."""
+
+    kl_target: Optional[float] = None  # adaptive KL coefficient aiming at this KL per sequence (Ziegler 2019); null = fixed beta
+    kl_horizon: int = 10000  # adaptive KL: beta changes by at most 20% x rows / horizon per step
+
+    def _check_kl_control(self, beta: float) -> None:
+        _positive("algo.kl_horizon", self.kl_horizon)
+        if self.kl_target is not None:
+            _positive("algo.kl_target", self.kl_target)
+            if beta <= 0:
+                raise ConfigError(f"algo.kl_target={self.kl_target} adapts a KL coefficient that "
+                                  f"starts at algo.beta=0; set algo.beta > 0 (e.g. 0.05).")
+
+
+@dataclass(frozen=True)
+class PPOConfig(CriticConfig, KLControlConfig, PolicyGradientConfig):
+    """PPO with a learned critic (`algo=ppo`): GAE advantages per token, the KL penalty in
+    the per-token reward, and the critic and KL-control parts above."""
+
+    schema: ClassVar[str] = "algo_ppo"
+    name: str = "ppo"
+    gamma: float = 1.0  # discount of GAE (Schulman 2016)
+    lam: float = 0.95  # GAE lambda (bias-variance trade-off of the advantage estimate)
+    whiten_advantages: bool = True  # advantages to zero mean, unit variance over the batch's tokens
+    entropy_coef: float = 0.0  # entropy bonus weight (the loss subtracts coef * mean token entropy)
+
+    def __post_init__(self) -> None:
+        PolicyGradientConfig.__post_init__(self)
+        self._check_critic()
+        self._check_kl_control(self.beta)
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise ConfigError(f"algo.gamma={self.gamma} and algo.lam={self.lam} must lie in [0, 1].")
+        _positive("algo.entropy_coef", self.entropy_coef, allow_zero=True)
+        if self.beta > 0 and not self.kl_in_reward:
+            raise ConfigError("algo=ppo puts the KL penalty in the per-token reward; set "
+                              "algo.kl_in_reward=true (or algo.beta=0 for no penalty).")
+
+
+def _check_smoothing(eps: float, smoothed: bool, where: str) -> None:
+    """Label smoothing of a preference loss: the share eps in [0, 0.5) of pairs assumed
+    flipped (conservative DPO, Mitchell 2023), defined for the log-sigmoid losses only."""
+    if eps and (not smoothed or not 0.0 < eps < 0.5):
+        raise ConfigError(
+            f"algo.label_smoothing={eps} is not valid for {where}; it needs "
+            f"algo.dpo_loss=sigmoid or algo=simpo and a value in [0, 0.5).")
+
+
+@dataclass(frozen=True)
+class DPOConfig(AlgoConfig):
+    """DPO and its loss variants (`algo=dpo`, `ipo`) on preference pairs, against the
+    frozen initial model."""
+
+    schema: ClassVar[str] = "algo_dpo"
+    name: str = "dpo"
+    beta: float = 0.1  # reward scale beta of the log-ratio margin
+    dpo_loss: str = "sigmoid"  # sigmoid (Rafailov 2023), ipo (Azar 2023) or hinge (SLiC, Zhao 2023)
+    label_smoothing: float = 0.0  # sigmoid loss: the share eps in [0, 0.5) of pairs assumed flipped (conservative DPO, Mitchell 2023)
+
+    def __post_init__(self) -> None:
+        _enum(self, "dpo_loss", "algo.dpo_loss", DPOLoss)
+        _positive("algo.beta", self.beta)
+        _check_smoothing(self.label_smoothing, self.dpo_loss == DPOLoss.SIGMOID,
+                         f"algo={self.name} algo.dpo_loss={self.dpo_loss.value}")
+
+
+@dataclass(frozen=True)
+class SimPOConfig(AlgoConfig):
+    """SimPO (`algo=simpo`): length-normalized rewards and a target margin, no reference."""
+
+    schema: ClassVar[str] = "algo_simpo"
+    name: str = "simpo"
+    beta: float = 2.0  # reward scale of the length-normalized log-probs
+    simpo_gamma: float = 0.5  # target reward margin gamma (Meng 2024)
+    label_smoothing: float = 0.0  # the share eps in [0, 0.5) of pairs assumed flipped
+
+    def __post_init__(self) -> None:
+        _positive("algo.beta", self.beta)
+        _positive("algo.simpo_gamma", self.simpo_gamma, allow_zero=True)
+        _check_smoothing(self.label_smoothing, True, f"algo={self.name}")
+
+
+@dataclass(frozen=True)
+class ORPOConfig(AlgoConfig):
+    """ORPO (`algo=orpo`): the chosen completion's NLL plus an odds-ratio term, no reference."""
+
+    schema: ClassVar[str] = "algo_orpo"
+    name: str = "orpo"
+    orpo_lambda: float = 0.1  # weight lambda of the odds-ratio term beside the chosen NLL (Hong 2024)
+
+    def __post_init__(self) -> None:
+        _positive("algo.orpo_lambda", self.orpo_lambda, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class RewardModelConfig(AlgoConfig):
+    """A reward model trained with Bradley-Terry on preference pairs (`algo=rm`)."""
+
+    schema: ClassVar[str] = "algo_rm"
+    name: str = "rm"
 
 
 @dataclass(frozen=True)
@@ -212,7 +373,7 @@ class ModelConfig:
     """One decoder; families differ only by these fields (presets in configs/model/)."""
 
     name: str = "tiny"  # preset name (see configs/model/)
-    family: str = "gemma"  # architecture family: gemma, gemma2, gemma3, llama, qwen2, qwen3 (HF export)
+    family: str = "gemma"  # architecture family (a file of gpurl/models/families/): gemma, gemma2, gemma3, llama, qwen2, qwen3
     checkpoint: Optional[str] = None  # HF safetensors dir or .gguf file; null = random init (gemma3_270m: the GGUF package)
     vocab_size: int = 512  # rows of the embedding (>= the tokenizer's vocabulary)
     d_model: int = 64  # residual width D
@@ -257,7 +418,6 @@ class ModelConfig:
             raise ConfigError(
                 f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads="
                 f"{self.num_kv_heads}; choose num_kv_heads dividing num_heads.")
-        _choice("model.family", self.family, FAMILIES)
         _choice("model.activation", self.activation, ("gelu_tanh", "silu"))
         _choice("model.rope_scaling", self.rope_scaling, ("none", "linear", "llama3"))
         _choice("model.dtype", self.dtype, ("auto",) + DTYPES)
@@ -478,9 +638,38 @@ class DistributedConfig:
             _positive(f"distributed.{key}", getattr(self, key))
 
 
+
+@dataclass(frozen=True)
+class RewardsConfig:
+    """Reward functions: the reward of RL runs, and the answer check of every task
+    evaluation (RL held-out figures, `gpurl eval`, a preference run's task accuracy)."""
+
+    # built-in names or "pkg.module:function"; [] = the data's default (arithmetic:
+    # first_number_match, countdown: countdown, gsm8k and jsonl: numeric_match). A
+    # completion counts as correct in evaluations when the FIRST function gives it >= 1.
+    # `rewards=[...]` on the command line is short for `rewards.functions=[...]`.
+    functions: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # one weight per function; [] = all 1
+    # a function that raises, returns the wrong number of scores or times out: stop (end
+    # the run naming it and the row) or zero (score those rows 0, counted in reward/errors)
+    on_error: str = "stop"
+    # seconds one call of a function (one shard's rows) may take before it counts as
+    # failed; 0 = no limit. A timed-out call's thread cannot be killed and runs on unobserved.
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _tuplify(self)
+        if self.weights and len(self.weights) != len(self.functions):
+            raise ConfigError(f"{len(self.functions)} rewards but {len(self.weights)} "
+                              f"reward_weights; give one weight per reward function "
+                              f"(rewards.weights).")
+        _choice("rewards.on_error", self.on_error, ("stop", "zero"))
+        _positive("rewards.timeout_s", self.timeout_s, allow_zero=True)
+
+
 @dataclass(frozen=True)
 class Config:
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    algo: AlgoConfig = field(default_factory=SFTConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -490,23 +679,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    # RL reward functions: built-in names or "pkg.module:function"; [] = the data's default
-    # (arithmetic: first_number_match, countdown: countdown, gsm8k and jsonl: numeric_match).
-    # Eval accuracy counts a completion correct when the FIRST function gives it >= 1.
-    rewards: list[str] = field(default_factory=list)
-    reward_weights: list[float] = field(default_factory=list)  # one weight per reward; [] = all 1
-    # a reward function that raises, returns the wrong number of scores or times out: stop
-    # (end the run naming it and the row) or zero (score those rows 0, counted in reward/errors)
-    rewards_on_error: str = "stop"
-    # seconds one call of a reward function (one shard's rows) may take before it counts as
-    # failed; 0 = no limit. A timed-out call's thread cannot be killed and runs on unobserved.
-    reward_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        _tuplify(self)
-        _check_reward_weights(self.rewards, self.reward_weights)
-        _choice("rewards_on_error", self.rewards_on_error, ("stop", "zero"))
-        _positive("reward_timeout_s", self.reward_timeout_s, allow_zero=True)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
 
 
 @dataclass(frozen=True)
@@ -539,19 +712,40 @@ class EvalConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)  # as in train; the first function decides correctness
     checkpoint: Optional[str] = None  # a gpurl run directory: its newest checkpoint and model config
-    rewards: list[str] = field(default_factory=list)  # as in train; the first decides correctness
-    reward_weights: list[float] = field(default_factory=list)  # one weight per reward; [] = all 1
     pass_k: int = 4  # samples per prompt for pass@k at rollout.temperature; 0 = greedy only
     batch_size: int = 128  # rows (prompts x samples) per generation call
     seed: int = 0  # sampling seed
     out: Optional[str] = None  # also write the figures to this json file
 
     def __post_init__(self) -> None:
-        _tuplify(self)
         _positive("pass_k", self.pass_k, allow_zero=True)
         _positive("batch_size", self.batch_size)
-        _check_reward_weights(self.rewards, self.reward_weights)
+
+
+# ---------------------------------------------------------------- plain dicts <-> configs
+
+# Keys that moved into a group: old top-level name -> new dotted name. The command line
+# and run directories written before the move keep working (`upgrade`).
+MOVED_KEYS = {"reward_weights": "rewards.weights", "rewards_on_error": "rewards.on_error",
+              "reward_timeout_s": "rewards.timeout_s"}
+# `rewards=[...]` (a list, the documented short form) sets `rewards.functions`.
+REWARDS_SHORTHAND = ("rewards", "rewards.functions")
+
+
+def upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """A root config dict in today's layout: moved keys in their groups, `rewards` as a
+    list read as `rewards.functions`."""
+    out = dict(data)
+    short, full = REWARDS_SHORTHAND
+    if isinstance(out.get(short), (list, tuple)):
+        out[short] = {full.partition(".")[2]: list(out[short])}
+    for old, new in MOVED_KEYS.items():
+        if old in out:
+            group, _, key = new.partition(".")
+            out[group] = {**(out.get(group) or {}), key: out.pop(old)}
+    return out
 
 
 def to_dict(cfg: Any) -> Any:
@@ -562,6 +756,8 @@ def to_dict(cfg: Any) -> Any:
             return {("async" if k == "async_" else k): fix(v) for k, v in d.items()}
         if isinstance(d, tuple):
             return [fix(v) for v in d]
+        if isinstance(d, enum.Enum):
+            return d.value
         return d
     return fix(out)
 
@@ -571,14 +767,26 @@ def yaml_key(name: str) -> str:
     return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
 
 
-def from_dict(data: dict[str, Any], cls: type = Config) -> Any:
+# Picks the class of a config node from its data (the algo node's schema from its name).
+Chooser = Callable[[type, dict[str, Any]], type]
+
+
+def from_dict(data: dict[str, Any], cls: type = Config, choose: Chooser | None = None) -> Any:
     """Builds (and so validates) a frozen config from nested plain dicts, e.g. a run's
-    config.yaml; keys missing from `data` take their defaults."""
+    config.yaml; keys missing from `data` take their defaults, keys the schema lacks are
+    ignored (Hydra has refused them on the command line). `choose(cls, data)` may replace
+    a node's class by a subclass (`gpurl.algorithms.registry.parse` does, for `algo`)."""
+    if cls in (Config, EvalConfig):
+        data = upgrade(data)
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         key = yaml_key(f.name)
         if key in data:
             sub = hints[f.name]
-            kwargs[f.name] = from_dict(data[key], sub) if dataclasses.is_dataclass(sub) else data[key]
+            if dataclasses.is_dataclass(sub):
+                sub = choose(sub, data[key]) if choose is not None else sub
+                kwargs[f.name] = from_dict(data[key], sub, choose)
+            else:
+                kwargs[f.name] = data[key]
     return cls(**kwargs)

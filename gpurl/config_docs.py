@@ -27,7 +27,10 @@ from typing import Any
 import yaml
 
 from gpurl import config as config_module
-from gpurl.config import Config, EvalConfig, GenerateConfig, yaml_key
+from gpurl.algorithms import registry
+from gpurl.cli.compose import config_dir
+from gpurl.config import (MOVED_KEYS, REWARDS_SHORTHAND, AlgoConfig, Config, EvalConfig,
+                          GenerateConfig, yaml_key)
 
 DOC_PATH = Path("docs/configuration.md")
 REGENERATE = "python -m gpurl.config_docs"
@@ -86,16 +89,20 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory()  # type: ignore[misc]
 
 
-def field_docs(cls: type, source: str | None = None) -> list[FieldDoc]:
+def field_docs(cls: type, source: str | None = None, own: bool = False) -> list[FieldDoc]:
     """The documented keys of one config dataclass in source order (groups, i.e. nested
     dataclasses, have sections of their own); raises ValueError naming any undocumented key.
-    `source` is the module text that defines `cls` (default: gpurl/config.py)."""
+    `source` is the module text that defines `cls` (default: gpurl/config.py); `own`: only
+    the keys `cls` adds to its bases (not those whose default it changes)."""
     source = source if source is not None else Path(config_module.__file__).read_text()
     tree = ast.parse(source)
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     text, alone = _comments(source)
     _, groups = _dataclass_fields(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in groups}
+    inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)
+                 for f in dataclasses.fields(base)} if own else set()
+    fields = {f.name: f for f in dataclasses.fields(cls)
+              if f.name not in groups and f.name not in inherited}
     out = []
     for item in node.body:
         if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
@@ -154,11 +161,29 @@ def _group_section(group: str, cls: type, configs: Path, chosen: dict[str, str])
             lines.append(f"- `{path.stem}`" + (f": {about}" if about else ""))
         lines.append("")
     lines += _table(f"{group}.", field_docs(cls)) + [""]
+    if cls is AlgoConfig:
+        lines += _algo_schemas()
     for name, sub in _dataclass_fields(cls)[0]:  # a group inside the group (model.lora)
         lines += [f"### `{group}.{name}`", ""]
         if sub.__doc__ and not sub.__doc__.startswith(sub.__name__ + "("):
             lines += [" ".join(sub.__doc__.split()), ""]
         lines += _table(f"{group}.{name}.", field_docs(sub)) + [""]
+    return lines
+
+
+def _algo_schemas() -> list[str]:
+    """A section per algorithm schema and part of one (PPO's critic), each listing the
+    keys it adds and the algorithms that have them."""
+    parts = list(dict.fromkeys(c for schema in registry.schemas() for c in reversed(schema.__mro__)
+                               if dataclasses.is_dataclass(c) and c is not AlgoConfig))
+    lines = []
+    for part in parts:
+        users = [a.name for a in registry.ALGORITHMS.values() if issubclass(a.config, part)]
+        lines += [f"### `{part.__name__}` (algo={', '.join(users)})", ""]
+        if part.__doc__ and not part.__doc__.startswith(part.__name__ + "("):
+            lines += [" ".join(part.__doc__.split()), ""]
+        docs = field_docs(part, own=True)
+        lines += (_table("algo.", docs) if docs else ["No keys beyond `algo.name`."]) + [""]
     return lines
 
 
@@ -171,11 +196,10 @@ def _dataclass_fields(cls: type) -> tuple[list[tuple[str, type]], set[str]]:
 
 def render(configs: Path | None = None) -> str:
     """The whole of docs/configuration.md."""
-    from gpurl.cli import config_dir
-
     configs = configs or config_dir()
     chosen = _main_job_options(configs)
     groups, _ = _dataclass_fields(Config)
+    top = field_docs(Config)
     lines = [
         f"<!-- Generated from gpurl/config.py and configs/ by `{REGENERATE}`; do not edit. -->",
         "", "# Configuration reference", "",
@@ -185,10 +209,16 @@ def render(configs: Path | None = None) -> str:
         "`gpurl train --cfg job` prints the values a command line composes to. Set any key "
         "on the command line: `gpurl train algo=gspo optim.lr=3e-6 'rewards=[numeric_match]'`.",
         "", "Groups: " + ", ".join(f"[`{g}`](#{g})" for g, _ in groups)
-        + ", and the [top-level keys](#top-level-keys).", ""]
+        + (", and the [top-level keys](#top-level-keys)." if top else "."), ""]
     for name, cls in groups:
         lines += _group_section(name, cls, configs, chosen)
-    lines += ["## Top-level keys", ""] + _table("", field_docs(Config)) + [""]
+    if top:
+        lines += ["## Top-level keys", ""] + _table("", top) + [""]
+    lines += ["## Moved keys", "", "Old names that still work, on the command line (with a "
+              "one-line notice) and in the config.yaml of older run directories:", ""]
+    lines += [f"- `{old}`: now `{new}`" for old, new in MOVED_KEYS.items()]
+    lines += [f"- `{REWARDS_SHORTHAND[0]}=[...]` (a list) is short for "
+              f"`{REWARDS_SHORTHAND[1]}=[...]`", ""]
     for command, cls in (("generate", GenerateConfig), ("eval", EvalConfig)):
         sub_groups, _ = _dataclass_fields(cls)
         lines += [f"## `gpurl {command}`", "", " ".join((cls.__doc__ or "").split()), "",

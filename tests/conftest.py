@@ -15,21 +15,50 @@ from typing import Any, Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
+from gpurl.algorithms import registry  # noqa: E402
 from gpurl.config import Config  # noqa: E402
 
 
 def make_config(**groups: dict[str, Any]) -> Config:
-    """Config() with per-group field overrides: make_config(train={"steps": 3})."""
+    """Config() with per-group field overrides: make_config(train={"steps": 3}); `algo`
+    takes the fields of its algorithm's schema (by `name`), `rewards` a list of function
+    names (or a dict of RewardsConfig fields)."""
     cfg = Config()
     for group, values in groups.items():
-        value = (dataclasses.replace(getattr(cfg, group), **values) if isinstance(values, dict)
-                 else values)  # top-level lists such as rewards
+        if group == "algo":
+            value = registry.get(values.get("name", cfg.algo.name)).config(**values)
+        elif group == "rewards" and not isinstance(values, dict):
+            value = dataclasses.replace(cfg.rewards, functions=tuple(values))
+        else:
+            value = dataclasses.replace(getattr(cfg, group), **values)
         cfg = dataclasses.replace(cfg, **{group: value})
     return cfg
 
 
+def algo_config(name: str, **fields: Any) -> Any:
+    """The config of algorithm `name` (its registry record's schema) with `fields` set."""
+    return registry.get(name).config(name=name, **fields)
+
+
+def with_rewards(cfg: Config, *functions: str, **fields: Any) -> Config:
+    """`cfg` with other reward functions (and RewardsConfig fields such as on_error)."""
+    return dataclasses.replace(cfg, rewards=dataclasses.replace(
+        cfg.rewards, **({"functions": functions} if functions else {}), **fields))
+
+
 TINY_MODEL = {"vocab_size": 259, "d_model": 32, "num_layers": 2, "num_heads": 4,
               "num_kv_heads": 2, "head_dim": 8, "mlp_dim": 64, "dtype": "float32"}
+
+
+# Fixtures of the real model: a test that uses one (directly or through another) is in the
+# `realmodel` tier.
+REAL_MODEL_FIXTURES = ("gemma3_gguf", "gemma3_hf_model", "gemma3_hf_tokenizer")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in REAL_MODEL_FIXTURES):
+            item.add_marker(pytest.mark.realmodel)
 
 
 @pytest.fixture

@@ -190,6 +190,7 @@ def test_cudnn_calls_it_cannot_express_fall_back_to_pallas(caplog, monkeypatch):
     assert_close(got, reference(*qkv, *mask, scale=0.4, softcap=2.0), c.dtype, "fallback")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="cuDNN attention needs a CUDA GPU (CPU CI tests its "
                     "fallback and lowering only)")
 @pytest.mark.parametrize("window", [None, 7])

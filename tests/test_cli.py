@@ -47,7 +47,7 @@ def test_defaults_are_the_main_job_and_presets_carry_published_values():
     sft = validate(["algo=sft", "model=tiny", "data=arithmetic", "optim=adamw", "train=default"])
     assert (sft.algo.name, sft.optim.lr, sft.data.few_shot) == ("sft", 1e-3, 0)
     cfg = validate(["rewards=[numeric_match,boxed_format]", "reward_weights=[1.0,0.5]"])
-    assert cfg.rewards == ("numeric_match", "boxed_format") and cfg.reward_weights == (1.0, 0.5)
+    assert cfg.rewards.functions == ("numeric_match", "boxed_format") and cfg.rewards.weights == (1.0, 0.5)
     with pytest.raises(ConfigError, match="2 rewards but 1 reward_weights"):
         validate(["rewards=[numeric_match,boxed_format]", "reward_weights=[1.0]"])
 

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from gpurl.config import ConfigError, DataConfig, ModelConfig
 from gpurl.data import (TASKS, arithmetic, encode_sft, eval_batches, load_examples,
                         process_rows, step_indices, take)
-from gpurl.data.chat import render_chat_template
-from gpurl.models.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
+from gpurl.models.chat_template import render_chat_template
+from gpurl.models.loading import load_tokenizer
+from gpurl.models.tokenizer import Tokenizer, byte_tokenizer
 
 TOK = byte_tokenizer()
 

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY_MODEL, make_config
-from gpurl import algorithms
-from gpurl.algorithms.common import token_logprobs
-from gpurl.algorithms.dpo import pair_loss, sequence_logps
-from gpurl.config import AlgoConfig, ConfigError, DataConfig
+from conftest import TINY_MODEL, algo_config, make_config
+from gpurl.algorithms import registry
+from gpurl.algorithms.dpo import sequence_logps
+from gpurl.algorithms.forward import token_logprobs
+from gpurl.config import ConfigError, DataConfig, RolloutConfig
 from gpurl.data.preferences import encode_pairs, load_pairs, take_pairs
 from gpurl.data.sources import load_examples
 from gpurl.distributed.mesh import trainer_mesh
@@ -86,7 +86,8 @@ CASES = [("dpo", dict(beta=0.1, dpo_loss="sigmoid")),
 
 @pytest.mark.parametrize("name,fields", CASES)
 def test_losses_equal_numpy_transcriptions(name, fields):
-    cfg = AlgoConfig(name=name, **fields)
+    cfg = algo_config(name, **fields)
+    pair_loss = registry.get(name).objective(cfg, RolloutConfig()).pair_loss
     logp, ref, length, pair_mask = _random_pairs(seed=len(str(fields)))
     real = pair_mask > 0
     pw, pl, rw, rl = logp[:, 0], logp[:, 1], ref[:, 0], ref[:, 1]
@@ -102,7 +103,7 @@ def test_losses_equal_numpy_transcriptions(name, fields):
         reward_w, reward_l = pw / lw, pl / ll
     # The global batch is split in two micro-batches; their shares add up to the mean.
     norm = jnp.float32(real.sum())
-    shares = [pair_loss(cfg, jnp.asarray(logp[s]), jnp.asarray(length[s]), jnp.asarray(ref[s]),
+    shares = [pair_loss(jnp.asarray(logp[s]), jnp.asarray(length[s]), jnp.asarray(ref[s]),
                         jnp.asarray(pair_mask[s]), norm) for s in (slice(0, 6), slice(6, None))]
     loss = sum(float(share[0]) for share in shares)
     metric = lambda k: sum(float(share[1][k]) for share in shares)  # noqa: E731
@@ -117,11 +118,11 @@ def test_losses_equal_numpy_transcriptions(name, fields):
 
 def test_preference_config_errors():
     with pytest.raises(ConfigError, match="label_smoothing.*algo.dpo_loss=sigmoid"):
-        AlgoConfig(name="dpo", beta=0.1, dpo_loss="ipo", label_smoothing=0.1)
+        algo_config("dpo", beta=0.1, dpo_loss="ipo", label_smoothing=0.1)
     with pytest.raises(ConfigError, match="algo.dpo_loss='kto' is not valid"):
-        AlgoConfig(name="dpo", beta=0.1, dpo_loss="kto")
+        algo_config("dpo", beta=0.1, dpo_loss="kto")
     with pytest.raises(ConfigError, match="algo.beta=0.0"):
-        AlgoConfig(name="simpo")
+        algo_config("simpo", beta=0.0)
     with pytest.raises(ConfigError, match="data=arithmetic has no preference pairs"):
         load_pairs(DataConfig(name="arithmetic"))
 
@@ -243,7 +244,7 @@ def test_micro_batches_add_up():
     """DPO's gradients and metrics of 4 micro-batches of 2 pairs equal one batch of 8."""
     spec, place, params = _model_pieces()
     cfg = make_config(algo={"name": "dpo", "beta": 0.1})
-    objective = algorithms.objective(cfg)
+    objective = registry.get("dpo").objective(cfg.algo, cfg.rollout)
     batch = dict(_pair_batch()[1])
     batch["ref_logps"] = np.random.default_rng(1).normal(-8, 1, (8, 2)).astype(np.float32)
     batch = jax.device_put(batch, place.batch)
@@ -273,6 +274,7 @@ def _letters_vs_digits(path, n: int, seed: int) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+@pytest.mark.e2e
 def test_tiny_dpo_learns_preference(tmp_path):
     _letters_vs_digits(tmp_path / "prefs.jsonl", 160, seed=0)
     cfg = make_config(
@@ -301,10 +303,11 @@ def test_tiny_dpo_learns_preference(tmp_path):
     assert 0.0 <= start["eval/accuracy"] <= 1.0 and 0.0 <= summary["eval/accuracy"] <= 1.0
 
 
-def test_reference_free_algorithms_skip_the_reference(tmp_path):
+def test_reference_free_algorithms_skip_the_reference(tmp_path, monkeypatch):
     """SimPO and ORPO never build or run a reference model (DPO's reference pass is checked
     by the tiny run: its implicit rewards start at exactly 0)."""
-    from gpurl.train.preference import PreferenceStepper
+    from gpurl.train import preference
+    from gpurl.train.stepper import Setup
 
     _letters_vs_digits(tmp_path / "prefs.jsonl", 24, seed=1)
     spec, place, _ = _model_pieces()
@@ -314,26 +317,31 @@ def test_reference_free_algorithms_skip_the_reference(tmp_path):
         seen.update(batch)
         return state, {}
 
-    def init():
+    def init(*_):
         raise AssertionError("a reference-free algorithm built the reference model")
 
-    for name, beta in (("simpo", 2.0), ("orpo", 0.0)):
-        cfg = make_config(algo={"name": name, "beta": beta}, model=MODEL,
+    monkeypatch.setattr(preference, "initial_policy", init)
+    for name, fields in (("simpo", {"beta": 2.0}), ("orpo", {})):
+        cfg = make_config(algo={"name": name, **fields}, model=MODEL,
                           data={"name": "jsonl", "path": str(tmp_path / "prefs.jsonl"),
                                 "num_eval": 8, "max_len": 16},
                           train={"batch_size": 8})
-        stepper = PreferenceStepper(cfg, spec, byte_tokenizer(), place, step_fn, init)
+        algorithm = registry.get(name)
+        setup = Setup(algorithm, cfg.algo, spec, algorithm.objective(cfg.algo, cfg.rollout),
+                      byte_tokenizer(), place, step_fn, init)
+        stepper = preference.PreferenceStepper.build(setup, cfg)
         seen.clear()
         stepper.step(None, 0)
         assert stepper.ref_params is None and "ref_logps" not in seen
         assert seen["completions"].shape[:2] == (8, 2) and seen["pair_mask"].sum() == 8
 
 
+@pytest.mark.e2e
 def test_resumed_dpo_run_equals_uninterrupted_run(tmp_path):
     """The pair batch of step s is a function of the seed and s, and the reference is
     rebuilt from the initial weights: stopping after 2 steps and resuming gives the same
     losses and parameters as 4 straight steps."""
-    from gpurl.train.export import restore_run
+    from gpurl.train.restore import restore_run
 
     _letters_vs_digits(tmp_path / "prefs.jsonl", 64, seed=2)
 

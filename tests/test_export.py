@@ -15,12 +15,14 @@ import transformers
 
 from conftest import TINY_MODEL, make_config
 from gpurl.models import model_spec
-from gpurl.models.tokenizer import load_tokenizer
+from gpurl.models.loading import load_tokenizer
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.loop import train
 from gpurl.train.optim import make_optimizer
 from gpurl.train.step import placement
 from gpurl.distributed.mesh import trainer_mesh
+
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

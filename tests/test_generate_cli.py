@@ -10,7 +10,7 @@ import pytest
 
 from gpurl.cli import APPS, validate
 from gpurl.config import ConfigError
-from gpurl.rollout.generate import generate
+from gpurl.commands.generate import generate
 
 TINY = ["model=tiny", "rollout.max_new_tokens=6", "rollout.temperature=0"]
 

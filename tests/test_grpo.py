@@ -7,10 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from conftest import TINY_MODEL, make_config
+from conftest import TINY_MODEL, make_config, with_rewards
+from gpurl.commands.evaluate import evaluate
 from gpurl.config import EvalConfig
-from gpurl.train.evaluate import evaluate
 from gpurl.train.loop import train
+
+pytestmark = pytest.mark.e2e
 
 
 def printable(prompts, completions, **_):
@@ -71,7 +73,7 @@ def test_dynamic_sampling_refills_the_batch(tmp_path):
 
     cfg = grpo_config(tmp_path, "dapo", steps=3, dynamic_sampling=True, max_refills=4,
                       epsilon_high=0.28, loss_agg="token_mean")
-    cfg = dataclasses.replace(cfg, rewards=("test_grpo:constant_on_addition",),
+    cfg = dataclasses.replace(with_rewards(cfg, "test_grpo:constant_on_addition"),
                               train=dataclasses.replace(cfg.train, eval_pass_k=0))
     train(cfg)
     rows = [r for r in read_metrics(tmp_path / "dapo") if "reward/mean" in r]
@@ -92,7 +94,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
 
     import jax
 
-    from gpurl.train.export import restore_run
+    from gpurl.train.restore import restore_run
 
     def cfg_for(name, steps):
         cfg = grpo_config(tmp_path, "grpo", steps=steps, run=name, beta=0.04)
@@ -121,7 +123,7 @@ def test_a_raising_reward_stops_the_run_with_its_name_and_row(tmp_path):
     from gpurl.rewards import RewardError
 
     cfg = grpo_config(tmp_path, "grpo", steps=2)
-    cfg = dataclasses.replace(cfg, rewards=("test_grpo:broken",),
+    cfg = dataclasses.replace(with_rewards(cfg, "test_grpo:broken"),
                               train=dataclasses.replace(cfg.train, eval_pass_k=0))
     with pytest.raises(RewardError, match=r"reward function 'test_grpo:broken' raised "
                                           r"ZeroDivisionError: .* on row \d+; fix the function"):

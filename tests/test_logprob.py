@@ -1,6 +1,6 @@
 """Chunked log-probabilities: parity with the whole-logits reference (values and
 gradients), the reference against float64 NumPy, a real gpurl model against
-`algorithms.common.token_logprobs`, batch sharding, and the memory the chunking saves."""
+`algorithms.forward.token_logprobs`, batch sharding, and the memory the chunking saves."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_reference_against_numpy_float64():
 
 
 def test_real_model_matches_training_logprobs():
-    from gpurl.algorithms.common import token_logprobs
+    from gpurl.algorithms.forward import token_logprobs
     from gpurl.config import ModelConfig
     from gpurl.models import model_spec
 

@@ -16,7 +16,8 @@ import pytest
 from conftest import TINY_MODEL, make_config
 from gpurl.config import ConfigError, LoraConfig, ModelConfig
 from gpurl.models import lora, model_spec
-from gpurl.train.export import export_run, restore_run
+from gpurl.commands.export import export_run
+from gpurl.train.restore import restore_run
 from gpurl.train.loop import train
 
 LORA = LoraConfig(rank=4, alpha=8.0, dropout=0.1)
@@ -65,6 +66,7 @@ def sft_run(tmp_path_factory):
     return run, cfg, params
 
 
+@pytest.mark.e2e
 def test_lora_sft_learns_and_checkpoints_only_adapters(sft_run):
     import orbax.checkpoint as ocp
 
@@ -92,13 +94,14 @@ def test_lora_sft_learns_and_checkpoints_only_adapters(sft_run):
     assert float(jnp.abs(b).max()) > 0  # trained away from zero
 
 
+@pytest.mark.e2e
 def test_merged_and_peft_exports_give_the_adapted_logits(sft_run, tmp_path):
     peft = pytest.importorskip("peft")
     import torch
     import transformers
 
+    from gpurl.models.export import export_language_model
     from gpurl.models.hf_export import export_hf
-    from gpurl.train.export import _export_lora
 
     run, cfg, params = sft_run
     spec = model_spec(cfg.model)
@@ -109,7 +112,7 @@ def test_merged_and_peft_exports_give_the_adapted_logits(sft_run, tmp_path):
     assert np.abs(ours - base_logits).max() > 1e-3  # the adapters matter
 
     merged = export_run(run, tmp_path / "merged")  # the whole path once, then its last part
-    adapter = _export_lora(cfg, params, tmp_path / "adapter", adapter=True)
+    adapter = export_language_model(spec, params, cfg.model, tmp_path / "adapter", adapter=True)
     assert {p.name for p in adapter.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
     base_dir = export_hf(lora.strip(params), lora.base_config(cfg.model), tmp_path / "base")
 
@@ -124,11 +127,11 @@ def test_merged_and_peft_exports_give_the_adapted_logits(sft_run, tmp_path):
 
 
 def test_lora_export_errors_are_one_sentence(tmp_path):
-    from gpurl.train.export import _export_lora
+    from gpurl.models.export import export_language_model
 
     cfg = make_config(model=TINY_MODEL)
     with pytest.raises(ConfigError, match="model.lora.rank=0"):
-        _export_lora(cfg, {}, tmp_path, adapter=True)
+        export_language_model(model_spec(cfg.model), {}, cfg.model, tmp_path, adapter=True)
 
 
 # GRPO with a KL term (reference = the frozen base) on the tiny model with LoRA.
@@ -142,6 +145,7 @@ GRPO_LORA_ARGS = [
     "rewards=[rl_rewards:printable_counted]", "logger.progress=false"]
 
 
+@pytest.mark.multiprocess
 def test_lora_grpo_two_processes_split_match_one_process(tmp_path):
     """2 processes x 2 devices with split placement (adapter-only weight sync after the
     first step) give 1 process's rewards, KL and losses; the KL of the first step is 0

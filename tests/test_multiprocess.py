@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.multiprocess
 
 # SFT on the tiny model (the command line's defaults are the real-model GRPO job).
 ARGS = ["algo=sft", "model=tiny", "data=arithmetic", "optim=adamw", "train=default",

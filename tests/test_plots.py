@@ -46,6 +46,7 @@ def test_panels_without_data_are_skipped(tmp_path):
     assert plots.write_curves(tmp_path / "rl").read_bytes().startswith(PNG)
 
 
+@pytest.mark.e2e
 def test_plot_command_overlays_runs_and_fails_in_one_sentence(tmp_path):
     a, b = _write_run(tmp_path / "a", 4, rl=True), _write_run(tmp_path / "b", 6, rl=True)
     done = _gpurl("plot", str(a), str(b), cwd=tmp_path)
@@ -65,6 +66,7 @@ def test_plot_command_overlays_runs_and_fails_in_one_sentence(tmp_path):
         plots.read_metrics(tmp_path / "nope")
 
 
+@pytest.mark.e2e
 def test_sweep_prints_a_table_and_each_job_has_curves(tmp_path):
     sweep = tmp_path / "sweep"
     done = _gpurl("train", "-m", "algo=sft", "model=tiny", "data=arithmetic", "optim=adamw",

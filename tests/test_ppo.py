@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY_MODEL, make_config
-from gpurl.algorithms.grpo import policy_loss
-from gpurl.algorithms.ppo import AdaptiveKL, gae, masked_whiten, token_rewards, value_loss
-from gpurl.config import AlgoConfig, ConfigError
+from conftest import TINY_MODEL, algo_config, make_config
+from gpurl.algorithms.policy_gradient import policy_loss
+from gpurl.algorithms.ppo import adaptive_kl_coef, gae, masked_whiten, token_rewards, value_loss
+from gpurl.config import ConfigError, KLControlConfig
 from gpurl.train.loop import train
 
 # ---------------------------------------------------------------- the papers' equations
@@ -101,7 +101,7 @@ def test_whitening_and_losses_equal_numpy():
         want = value_loss_numpy(v, v_old, ret, lengths, 1e9 if clip is None else clip)
         np.testing.assert_allclose(float(got), want, rtol=1e-5)
     logp, old, adv = -np.abs(f(6, 7)), -np.abs(f(6, 7)), f(6, 7)
-    cfg = AlgoConfig(name="ppo", num_generations=1, epsilon=0.2, loss_agg="token_mean",
+    cfg = algo_config("ppo", num_generations=1, epsilon=0.2, loss_agg="token_mean",
                      beta=0.05, kl_in_reward=True)
     rows = {"comp_mask": jnp.asarray(mask), "old_logprobs": jnp.asarray(old),
             "advantages": jnp.asarray(adv)}
@@ -112,26 +112,27 @@ def test_whitening_and_losses_equal_numpy():
 
 
 def test_adaptive_kl_follows_ziegler():
-    """beta <- beta (1 + clip(KL / target - 1, -0.2, 0.2) rows / horizon) (Ziegler 2019)."""
-    kl = AdaptiveKL(0.1, target=6.0, horizon=100)
-    want = 0.1
+    """beta <- beta (1 + clip(KL / target - 1, -0.2, 0.2) rows / horizon) (Ziegler 2019);
+    the coefficient is a float32 on device, carried from step to step."""
+    cfg = KLControlConfig(kl_target=6.0, kl_horizon=100)
+    beta, want = jnp.float32(0.1), 0.1
     for observed in (12.0, 6.6, 1.0, 6.0):
-        kl.update(observed, rows=32)
+        beta = adaptive_kl_coef(cfg, beta, jnp.float32(observed), rows=32)
         want *= 1 + np.clip(observed / 6.0 - 1, -0.2, 0.2) * 32 / 100
-        assert kl.value == pytest.approx(want, rel=1e-12)
-    fixed = AdaptiveKL(0.1, target=None, horizon=100)
-    fixed.update(50.0, rows=32)
-    assert fixed.value == 0.1
+        assert float(beta) == pytest.approx(want, rel=1e-6)
+    fixed = adaptive_kl_coef(KLControlConfig(kl_target=None, kl_horizon=100), jnp.float32(0.1),
+                             jnp.float32(50.0), rows=32)
+    assert float(fixed) == np.float32(0.1)
 
 
 def test_ppo_config_errors():
     with pytest.raises(ConfigError, match="kl_in_reward=true"):
-        AlgoConfig(name="ppo", beta=0.05, kl_in_reward=False)
+        algo_config("ppo", beta=0.05, kl_in_reward=False)
     with pytest.raises(ConfigError, match="algo.critic"):
-        AlgoConfig(name="ppo", critic="both", kl_in_reward=True)
+        algo_config("ppo", critic="both", kl_in_reward=True)
     with pytest.raises(ConfigError, match="starts at algo.beta=0"):
-        AlgoConfig(name="ppo", beta=0.0, kl_target=6.0)
-    AlgoConfig(name="ppo", num_generations=1, beta=0.05, kl_in_reward=True)  # G=1 is classic PPO
+        algo_config("ppo", beta=0.0, kl_target=6.0)
+    algo_config("ppo", num_generations=1, beta=0.05, kl_in_reward=True)  # G=1 is classic PPO
 
 
 # ---------------------------------------------------------------- tiny runs
@@ -154,8 +155,8 @@ def ppo_config(tmp_path, run: str, steps: int, data=None, rewards=("test_grpo:pr
         train={"steps": steps, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0,
                "eval_batch_size": 16, "eval_pass_k": 2},
         rollout={"max_new_tokens": 8, "temperature": 1.0},
-        logger={"progress": False}, run={"dir": str(tmp_path / run)}, rewards=list(rewards),
-        reward_weights=list(reward_weights))
+        logger={"progress": False}, run={"dir": str(tmp_path / run)},
+        rewards={"functions": tuple(rewards), "weights": tuple(reward_weights)})
 
 
 def _steps(run_dir) -> list[dict]:
@@ -163,6 +164,7 @@ def _steps(run_dir) -> list[dict]:
     return [r for r in rows if "reward/mean" in r]
 
 
+@pytest.mark.e2e
 def test_tiny_ppo_raises_reward_and_fits_values(tmp_path):
     summary = train(ppo_config(tmp_path, "ppo", steps=25))
     rows = _steps(tmp_path / "ppo")
@@ -178,6 +180,7 @@ def test_tiny_ppo_raises_reward_and_fits_values(tmp_path):
         assert key in rows[-1]
 
 
+@pytest.mark.e2e
 def test_shared_critic_entropy_bonus_and_adaptive_kl(tmp_path):
     """The value head on the policy's backbone, an entropy bonus and the adaptive KL
     coefficient, whose logged values follow the controller's rule step by step; the KL
@@ -205,6 +208,7 @@ def _letter_prompts(path, n, seed):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+@pytest.mark.e2e
 def test_reward_model_trains_matches_transformers_and_drives_ppo(tmp_path):
     """algo=rm learns letters-over-digits pairs; its export scores sequences exactly as
     transformers' ...ForSequenceClassification does; PPO with it as algo.reward_model
@@ -212,13 +216,13 @@ def test_reward_model_trains_matches_transformers_and_drives_ppo(tmp_path):
     import torch
     import transformers
 
-    from gpurl.models.scalar import load_reward_model
-    from gpurl.algorithms.ppo import reward_model_scores
-    from gpurl.distributed.mesh import trainer_mesh
+    from gpurl.algorithms.rm import reward_model_scores
+    from gpurl.commands.export import export_run
     from gpurl.config import MeshConfig
-    from gpurl.train.export import export_run
+    from gpurl.distributed.mesh import trainer_mesh
     from gpurl.models.tokenizer import byte_tokenizer
-    from gpurl.rollout.generate import encode_prompt
+    from gpurl.rollout.prompts import encode_prompt
+    from gpurl.train.weights import load_reward_model
     from test_dpo import MODEL, _letters_vs_digits
 
     _letters_vs_digits(tmp_path / "prefs.jsonl", 160, seed=0)

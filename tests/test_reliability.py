@@ -1,6 +1,6 @@
 """Failures a user can cause end in one clear sentence or are survived on request:
 non-finite losses (train.on_nonfinite), failing and hung reward functions
-(rewards_on_error, reward_timeout_s), bad inputs, and nothing in a config or a
+(rewards.on_error, rewards.timeout_s), bad inputs, and nothing in a config or a
 checkpoint is ever run as code. See docs/reliability.md for the whole table."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import TINY_MODEL, make_config
-from gpurl.config import ConfigError, MeshConfig, ModelConfig, from_dict
+from conftest import TINY_MODEL, make_config, with_rewards
+from gpurl.algorithms import registry
+from gpurl.config import ConfigError, MeshConfig, ModelConfig
 from gpurl.distributed.mesh import trainer_mesh
 from gpurl.models import model_spec
 from gpurl.rewards import RewardError, load, score_rows
@@ -41,7 +42,7 @@ def sft_config(run_dir: Path, steps: int = 4, **train_cfg):
 
 def restore_state(run_dir: Path, step: int):
     """The whole train state (parameters, optimizer, step, RNG) of a checkpoint."""
-    cfg = from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    cfg = registry.parse(yaml.safe_load((run_dir / "config.yaml").read_text()))
     spec, optimizer = model_spec(cfg.model), make_optimizer(cfg.optim, cfg.train.steps)
     place = placement(spec, optimizer, trainer_mesh(MeshConfig(data=1), jax.devices()[:1]),
                       cfg.mesh.train_rules)
@@ -58,6 +59,7 @@ def metrics(run_dir: Path) -> list[dict]:
 # ---------------------------------------------------------------- non-finite loss
 
 
+@pytest.mark.e2e
 def test_nonfinite_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteError) as err:
         train(sft_config(tmp_path / "run"))
@@ -70,6 +72,7 @@ def test_nonfinite_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_pa
     assert Checkpointer(tmp_path / "run" / "checkpoints", 10).all_steps() == [1]
 
 
+@pytest.mark.e2e
 def test_nonfinite_skip_leaves_parameters_and_optimizer_unchanged(tmp_path):
     run = tmp_path / "run"
     summary = train(sft_config(run, on_nonfinite="skip"))
@@ -88,11 +91,12 @@ def nan_reward(prompts, completions, **_):
     return [float("nan")] * len(completions)
 
 
+@pytest.mark.e2e
 def test_a_nan_reward_stops_grpo_at_its_first_step(tmp_path):
     from test_grpo import grpo_config
 
     cfg = grpo_config(tmp_path, "grpo", steps=3)
-    cfg = dataclasses.replace(cfg, rewards=("test_reliability:nan_reward",),
+    cfg = dataclasses.replace(with_rewards(cfg, "test_reliability:nan_reward"),
                               data=dataclasses.replace(cfg.data, num_eval=0))
     with pytest.raises(NonFiniteError,
                        match=r"^step 1: the loss \(nan\) .*and no checkpoint was written"):
@@ -135,14 +139,14 @@ def test_rewards_on_error_zero_scores_the_failing_rows_zero():
     assert scores.errors.all() and not scores.total.any()
     scores = two_rows("test_reliability:nan_reward")
     assert not scores.errors.any()  # NaN is a value, not an error: train.on_nonfinite handles it
-    with pytest.raises(ConfigError, match="rewards_on_error='skip' is not valid"):
+    with pytest.raises(ConfigError, match="rewards.on_error='skip' is not valid"):
         load(["length_penalty"], on_error="skip")
 
 
 def test_a_hung_reward_function_times_out():
     start = time.perf_counter()
     with pytest.raises(RewardError, match=r"^reward function 'test_reliability:hangs' did not "
-                                          r"return within reward_timeout_s=0.2 s on rows 4..6; "):
+                                          r"return within rewards.timeout_s=0.2 s on rows 4..6; "):
         score_rows(load(["test_reliability:hangs"], timeout_s=0.2), ["p"] * 3, ["a"] * 3, {},
                    first_row=4)
     zero = load(["test_reliability:hangs", "length_penalty"], on_error="zero", timeout_s=0.2)
@@ -151,13 +155,13 @@ def test_a_hung_reward_function_times_out():
     assert time.perf_counter() - start < 2  # two timeouts, not two hung calls
 
 
+@pytest.mark.e2e
 def test_grpo_with_rewards_on_error_zero_counts_the_failed_rows(tmp_path):
     from test_grpo import grpo_config
 
     cfg = grpo_config(tmp_path, "grpo", steps=2)
-    cfg = dataclasses.replace(cfg, rewards=("test_reliability:fails_on_odd_lengths",
-                                            "test_grpo:printable"),
-                              rewards_on_error="zero",
+    cfg = dataclasses.replace(with_rewards(cfg, "test_reliability:fails_on_odd_lengths",
+                                           "test_grpo:printable", on_error="zero"),
                               data=dataclasses.replace(cfg.data, num_eval=0))
     assert train(cfg)["finished"]
     rows = [r for r in metrics(tmp_path / "grpo") if "loss" in r]
@@ -168,6 +172,7 @@ def test_grpo_with_rewards_on_error_zero_counts_the_failed_rows(tmp_path):
 # ---------------------------------------------------------------- preemption
 
 
+@pytest.mark.e2e
 def test_sigterm_before_the_first_step_exits_cleanly_without_a_checkpoint(tmp_path, monkeypatch):
     import os
     import signal
@@ -201,6 +206,7 @@ def test_mesh_sizes_that_do_not_fit_the_devices():
         trainer_mesh(MeshConfig(data=-1, fsdp=3), jax.devices())
 
 
+@pytest.mark.e2e
 def test_an_unreachable_coordinator_is_one_sentence_after_the_timeout(tmp_path):
     import socket
     import subprocess
@@ -224,6 +230,7 @@ def test_an_unreachable_coordinator_is_one_sentence_after_the_timeout(tmp_path):
 
 
 # Orbax leaves the coroutines of the refused restore to the garbage collector.
+@pytest.mark.e2e
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_checkpoint_of_another_model_is_one_sentence(tmp_path):
     cfg = sft_config(tmp_path / "run", steps=1)
@@ -243,7 +250,7 @@ def test_a_checkpoint_of_another_model_is_one_sentence(tmp_path):
 
 
 def test_tokenizer_larger_than_the_model_vocabulary():
-    from gpurl.models.tokenizer import load_tokenizer
+    from gpurl.models.loading import load_tokenizer
 
     with pytest.raises(ConfigError, match=r"The tokenizer has 259 ids but model.vocab_size=100; "
                                           r"set model.vocab_size to at least 259."):
@@ -252,7 +259,7 @@ def test_tokenizer_larger_than_the_model_vocabulary():
 
 def test_rl_prompts_longer_than_the_limit_are_skipped_and_counted():
     from gpurl.models.tokenizer import byte_tokenizer
-    from gpurl.train.rl import encode_prompts
+    from gpurl.rollout.prompts import encode_prompts
 
     rows = [{"prompt": "1 + 1 ="}, {"prompt": "x" * 40}, {"prompt": "2 + 2 ="}]
     kept, skipped = encode_prompts(rows, byte_tokenizer(), False, 16, "train")
@@ -281,7 +288,7 @@ def test_config_strings_are_never_evaluated(tmp_path, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text("run: !!python/object/apply:os.system ['touch PWNED3']\n")
-    from gpurl.train.export import restore_run
+    from gpurl.train.restore import restore_run
 
     with pytest.raises(ConfigError, match="config.yaml is not a gpurl config"):
         restore_run(run)
@@ -293,6 +300,7 @@ class _Payload:
         return (Path.touch, (Path("PWNED"),))
 
 
+@pytest.mark.e2e
 def test_checkpoints_never_unpickle(tmp_path, monkeypatch):
     """Orbax stores arrays with tensorstore and metadata as JSON: a restore works with
     every Python unpickler disabled, and pickles planted in the checkpoint are ignored."""
@@ -318,13 +326,13 @@ def test_checkpoints_never_unpickle(tmp_path, monkeypatch):
 @pytest.mark.parametrize("error", [NonFiniteError("step 7: the loss (nan) or ..."),
                                    RewardError("reward function 'f' did not return ...")])
 def test_the_command_line_prints_such_errors_as_one_line(tmp_path, monkeypatch, capsys, error):
-    import gpurl.train.loop
+    import gpurl.cli
     from gpurl.cli import main
 
     def fail(cfg):
         raise error
 
-    monkeypatch.setattr(gpurl.train.loop, "train", fail)
+    monkeypatch.setattr(gpurl.cli, "train", fail)
     with pytest.raises(SystemExit) as exit_:
         main(["train", "algo=sft", "model=tiny", "data=arithmetic", "optim=adamw",
               "train=default", f"run.dir={tmp_path}"])

@@ -5,6 +5,8 @@ of an uninterrupted run (SFT and GRPO)."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -17,8 +19,10 @@ from typing import Callable
 import jax
 import numpy as np
 
-from gpurl.train.export import restore_run
+from gpurl.train.restore import restore_run
 from test_multiprocess import GRPO_ARGS
+
+pytestmark = pytest.mark.e2e
 
 TESTS = Path(__file__).parent
 STEPS = 40

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpurl.algorithms.common import (aggregate, clipped_objective, group_advantages,
-                                     kl_estimate, sequence_ratio)
+from conftest import algo_config
+from gpurl.algorithms.policy_gradient import (aggregate, clipped_objective, group_advantages,
+                                              kl_estimate, sequence_ratio)
 
 RNG = np.random.default_rng(0)
 B, T, G = 8, 6, 4
@@ -122,10 +123,9 @@ def _np_policy_loss(logp, old, ref, adv, mask, cfg, sampler=None):
     dict(name="grpo", tis_cap=1.5),
 ])
 def test_policy_loss_matches_numpy(overrides):
-    from gpurl.algorithms.grpo import policy_loss
-    from gpurl.config import AlgoConfig
+    from gpurl.algorithms.policy_gradient import policy_loss
 
-    cfg = AlgoConfig(**overrides)
+    cfg = algo_config(**overrides)
     old = (LOGP + RNG.normal(0, 0.3, (B, T))).astype(np.float32)
     adv = RNG.normal(size=B).astype(np.float32)
     sampler = (old + RNG.normal(0, 0.5, (B, T))).astype(np.float32)
@@ -145,8 +145,7 @@ def test_gspo_token_has_gspo_value_and_gradient():
     -A_i s_i / |y_i| / B where the ratio is not clipped, 0 where it is."""
     import jax
 
-    from gpurl.algorithms.grpo import policy_loss
-    from gpurl.config import AlgoConfig
+    from gpurl.algorithms.policy_gradient import policy_loss
 
     old = (LOGP + RNG.normal(0, 0.1, (B, T))).astype(np.float32)
     adv = RNG.normal(size=B).astype(np.float32)
@@ -155,7 +154,7 @@ def test_gspo_token_has_gspo_value_and_gradient():
     norm = {"tokens": jnp.float32(MASK.sum()), "seqs": jnp.float32(B)}
 
     def loss_of(importance):
-        cfg = AlgoConfig(name="gspo", importance=importance, epsilon=0.03, epsilon_high=0.04)
+        cfg = algo_config("gspo", importance=importance, epsilon=0.03, epsilon_high=0.04)
         return jax.value_and_grad(lambda lp: policy_loss(cfg, lp, batch, norm, T)[0])(
             jnp.asarray(LOGP))
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import jax.numpy as jnp
 import numpy as np
 
-from gpurl.train.rl import RLStepper, overlong_penalty, select_groups
+from gpurl.rollout.collect import Collector, group_spread, overlong_penalty, select_groups
 
 
 def dapo_overlong_reference(length: int, l_max: int, l_cache: int) -> float:
@@ -35,25 +35,28 @@ def test_overlong_penalty_matches_dapo_eq13():
 def test_dynamic_sampling_drops_groups_with_equal_rewards():
     rewards = np.asarray([1, 1, 1, 1,   0, 1, 0, 0,   0, 0, 0, 0,   0.5, 0.5, 0.5, 0.25],
                          np.float32)
-    keep, drop = select_groups(rewards, group=4, wanted=4, drop_equal=True)
+    informative = np.asarray(group_spread(jnp.asarray(rewards), 4)) > 1e-9
+    keep, drop = select_groups(informative, num_groups=4, wanted=4)
     assert keep.tolist() == [1, 3] and drop.tolist() == [0, 2]
-    keep, drop = select_groups(rewards, group=4, wanted=4, drop_equal=False)
+    keep, drop = select_groups(None, num_groups=4, wanted=4)
     assert keep.tolist() == [0, 1, 2, 3] and drop.tolist() == []
 
 
 def test_batch_is_grouped_by_prompt():
     pad = 0
-    fake = SimpleNamespace(tokenizer=SimpleNamespace(pad_id=pad), group=2)
+    fake = SimpleNamespace(pad_id=pad, group=2)
     prompt_BxW = jnp.asarray([[5, 6, 7, pad], [5, 6, 7, pad], [3, pad, pad, pad], [3, pad, pad, pad]])
     plen_B = jnp.asarray([3, 3, 1, 1])
     comp_BxN = jnp.asarray([[11, 12, 99], [13, pad, pad], [14, 15, 16], [17, 18, pad]])
     clen_B = jnp.asarray([2, 1, 3, 2])
     clp_BxN = jnp.asarray([[-1.0, -2.0, -9.0], [-3.0, 0.0, 0.0], [-4.0, -5.0, -6.0],
                            [-7.0, -8.0, 0.0]])
-    select_K = jnp.asarray([2, 3, 0, 1])  # groups in a new order, each kept whole
-    keep_K = jnp.asarray([True, True, False, False])
-    out = RLStepper._assemble_fn(fake, [(prompt_BxW, plen_B, comp_BxN, clen_B, clp_BxN)],
-                                 select_K, keep_K)
+    rewards_B = jnp.asarray([0.1, 0.2, 0.3, 0.4])
+    select_B = jnp.asarray([2, 3, 0, 1])  # groups in a new order, each kept whole
+    keep_B = jnp.asarray([True, True, False, False])
+    out, rewards = Collector._assemble_fn(
+        fake, [(prompt_BxW, plen_B, comp_BxN, clen_B, clp_BxN, rewards_B)], select_B, keep_B)
+    np.testing.assert_allclose(rewards, [0.3, 0.4, 0.1, 0.2])  # each row keeps its reward
     np.testing.assert_array_equal(out["prompt_tokens"], [[3, 0, 0, 0], [5, 6, 7, 0]])
     np.testing.assert_array_equal(out["prompt_lengths"], [1, 3])
     # Tokens after a completion's end (99: sampled past the stop) become padding.
@@ -72,7 +75,7 @@ def test_group_logprobs_equal_full_sequence_logprobs_and_gradients():
     import jax
 
     from conftest import TINY_MODEL, make_config
-    from gpurl.algorithms.common import group_logprobs, token_logprobs
+    from gpurl.algorithms.forward import group_logprobs, token_logprobs
     from gpurl.models import model_spec
 
     spec = model_spec(make_config(model=TINY_MODEL).model)
@@ -117,3 +120,38 @@ def test_group_logprobs_equal_full_sequence_logprobs_and_gradients():
     np.testing.assert_allclose(v1, v2, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_grpo_prepare_adds_a_reward_models_score_before_the_group_advantages():
+    """algo.reward_model works for the GRPO family as for PPO: its score of each completion
+    joins the functions' reward on device, before the advantages."""
+    from conftest import TINY_MODEL, algo_config, make_config
+    from gpurl.algorithms import grpo
+    from gpurl.algorithms.policy_gradient import group_advantages
+    from gpurl.algorithms.rl import RLContext, RLInputs
+    from gpurl.algorithms.rm import reward_model_scores
+    from gpurl.models import model_spec
+    from gpurl.models.scalar import scalar_spec
+
+    spec = model_spec(make_config(model=TINY_MODEL).model)
+    rm = scalar_spec(spec.cfg)
+    rng = np.random.default_rng(1)
+    rm_params = dict(rm.init(1), score=jnp.asarray(rng.normal(size=spec.cfg.d_model), jnp.float32))
+    p, g, n, w = 2, 3, 4, 8
+    clen = np.asarray([[4, 2, 1], [3, 4, 2]])
+    batch = {"prompt_tokens": jnp.asarray(rng.integers(1, 250, (p, w)), jnp.int32),
+             "prompt_lengths": jnp.asarray([3, 5]),
+             "completions": jnp.asarray(rng.integers(1, 250, (p, g, n)), jnp.int32),
+             "completion_lengths": jnp.asarray(clen),
+             "comp_mask": jnp.asarray(np.arange(n) < clen[..., None], jnp.float32),
+             "sampler_logprobs": jnp.zeros((p, g, n))}
+    rewards_B = jnp.asarray(rng.integers(0, 2, p * g), jnp.float32)
+    out, metrics, carry = grpo.prepare(
+        algo_config("grpo", num_generations=g), RLContext(spec, 1.0, rm),
+        RLInputs(spec.init(0), None, rm_params, batch, rewards_B, {}))
+    scores_B = reward_model_scores(rm, rm_params, batch)
+    assert float(jnp.abs(scores_B).max()) > 1e-3  # the reward model's scores matter here
+    np.testing.assert_allclose(out["advantages"], group_advantages(
+        rewards_B + scores_B, g, "grpo").reshape(p, g), rtol=1e-6)
+    np.testing.assert_allclose(metrics["reward/model"], scores_B.mean(), rtol=1e-6)
+    assert carry == {}

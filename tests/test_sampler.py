@@ -22,7 +22,7 @@ import torch
 
 import hf_models
 from conftest import TINY_MODEL
-from gpurl.algorithms.common import token_logprobs
+from gpurl.algorithms.forward import token_logprobs
 from gpurl.config import ConfigError, MeshConfig, ModelConfig, RolloutConfig
 from gpurl.distributed.mesh import rollout_mesh
 from gpurl.models import ModelSpec, model_spec

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
-from gpurl.train.export import restore_run
+from gpurl.train.restore import restore_run
 import slurm_cluster
 from slurm_cluster import LocalSlurm
 
 from test_multiprocess import TINY_GRPO_ARGS as GRPO_ARGS
+
+pytestmark = pytest.mark.slurm
 
 local_slurm = slurm_cluster.local_slurm  # the session fixture: a private single-node Slurm
 

@@ -23,6 +23,7 @@ needs_plugin = pytest.mark.skipif(
     reason="needs the submitit launcher plugin: pip install -e '.[slurm]'")
 
 
+@pytest.mark.slurm
 @needs_plugin
 def test_submitit_sweep_of_two_jobs_on_local_slurm(local_slurm: LocalSlurm, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, make_config
-from gpurl import algorithms
+from gpurl.algorithms import registry
 from gpurl.data.batching import step_indices, take
 from gpurl.data.sft import encode_sft
 from gpurl.data.sources import load_examples
 from gpurl.distributed.mesh import trainer_mesh
 from gpurl.models import model_spec
-from gpurl.models.tokenizer import load_tokenizer
+from gpurl.models.loading import load_tokenizer
 from gpurl.train.loop import train
 from gpurl.train.optim import make_optimizer
 from gpurl.train.step import accumulate_grads, make_init, make_train_step, placement
@@ -31,7 +31,7 @@ def _pieces(cfg, devices):
     spec = model_spec(cfg.model)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     place = placement(spec, optimizer, mesh, cfg.mesh.train_rules)
-    return spec, algorithms.objective(cfg), optimizer, place
+    return spec, registry.get(cfg.algo.name).objective(cfg.algo, cfg.rollout), optimizer, place
 
 
 @functools.cache
@@ -80,6 +80,7 @@ def test_fsdp_sharded_equals_unsharded():
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
+@pytest.mark.e2e
 def test_sft_memorizes_small_set(tmp_path):
     cfg = make_config(model=TINY_MODEL, data={"max_len": 16, "num_train": 16, "num_eval": 0},
                       optim={"lr": 1e-2, "warmup_steps": 5}, logger={"progress": False},
@@ -95,6 +96,7 @@ def test_sft_memorizes_small_set(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir()) == ["100", "150"]
 
 
+@pytest.mark.e2e
 def test_eval_summary_packing_and_wandb_offline(tmp_path):
     cfg = make_config(model=TINY_MODEL,
                       data={"max_len": 24, "num_train": 64, "num_eval": 20, "packing": True},

@@ -27,17 +27,24 @@ axis: prompt_tokens (P x W), prompt_lengths (P), completions (P x 2 x N),
 completion_lengths (P x 2), comp_mask (P x 2 x N), pair_mask (P: 0 marks eval padding)
 and, for dpo, ref_logps (P x 2, from `gpurl.train.preference` before the train step,
 outside the differentiated function).
+
+Each algorithm is a pair loss, `(cfg, logp_Px2, len_Px2, ref_Px2) -> (loss_P, reward_Px2,
+extra)`, inside the one `pair_objective`; DPO's loss variants are registered by
+`algo.dpo_loss`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from gpurl.algorithms.common import Batch, Objective, group_logprobs
-from gpurl.config import AlgoConfig
+from gpurl.algorithms.choices import Choices
+from gpurl.algorithms.forward import group_logprobs
+from gpurl.algorithms.objective import Batch, Objective
+from gpurl.config import DPOConfig, DPOLoss, ORPOConfig, RolloutConfig, SimPOConfig
 
 # The per-token log-prob of a completion is clipped below 0 before the odds: P(y) = 1
 # (a tiny model can reach it in fp32) would give log(1 - P) = -inf and a NaN gradient.
@@ -57,20 +64,31 @@ def _smoothed_logsigmoid_loss(z_P: jax.Array, eps: float) -> jax.Array:
     return (1.0 - eps) * loss_P - eps * jax.nn.log_sigmoid(-z_P) if eps else loss_P
 
 
+# (h_P: chosen-minus-rejected log-ratio margin, beta, eps) -> loss P
+DPO_LOSSES: Choices[Callable[[jax.Array, float, float], jax.Array]] = Choices("DPO loss", DPOLoss)
+
+
+@DPO_LOSSES.register(DPOLoss.SIGMOID)
+def _sigmoid(h_P: jax.Array, beta: float, eps: float) -> jax.Array:
+    return _smoothed_logsigmoid_loss(beta * h_P, eps)
+
+
+@DPO_LOSSES.register(DPOLoss.IPO)
+def _ipo(h_P: jax.Array, beta: float, eps: float) -> jax.Array:
+    return (h_P - 1.0 / (2.0 * beta)) ** 2
+
+
+@DPO_LOSSES.register(DPOLoss.HINGE)
+def _hinge(h_P: jax.Array, beta: float, eps: float) -> jax.Array:
+    return jax.nn.relu(1.0 - beta * h_P)
+
+
 def dpo_losses(logp_Px2: jax.Array, ref_Px2: jax.Array, beta: float, kind: str,
                eps: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """(loss P, implicit reward P x 2) of DPO with the `kind` loss: sigmoid, ipo, hinge."""
     ratio_Px2 = logp_Px2 - ref_Px2
     h_P = ratio_Px2[:, 0] - ratio_Px2[:, 1]
-    if kind == "sigmoid":
-        loss_P = _smoothed_logsigmoid_loss(beta * h_P, eps)
-    elif kind == "ipo":
-        loss_P = (h_P - 1.0 / (2.0 * beta)) ** 2
-    elif kind == "hinge":
-        loss_P = jax.nn.relu(1.0 - beta * h_P)
-    else:
-        raise ValueError(f"unknown DPO loss {kind!r}; use sigmoid, ipo or hinge")
-    return loss_P, beta * ratio_Px2
+    return DPO_LOSSES[kind](h_P, beta, eps), beta * ratio_Px2
 
 
 def simpo_losses(logp_Px2: jax.Array, len_Px2: jax.Array, beta: float, gamma: float,
@@ -92,22 +110,29 @@ def orpo_losses(logp_Px2: jax.Array, len_Px2: jax.Array,
     return loss_P, mean_Px2, {"nll": nll_P, "log_odds": log_odds_P}
 
 
-def pair_loss(cfg: AlgoConfig, logp_Px2: jax.Array, len_Px2: jax.Array,
-              ref_Px2: jax.Array | None, pair_mask_P: jax.Array,
-              norm: jax.Array) -> tuple[jax.Array, dict]:
+# (cfg, logp_Px2, len_Px2, ref_Px2 or None) -> (loss P, reward P x 2, extra metrics P each)
+PairLoss = Callable[[Any, jax.Array, jax.Array, Any], tuple[jax.Array, jax.Array, dict]]
+
+
+def dpo_pair_loss(cfg: DPOConfig, logp_Px2, len_Px2, ref_Px2):
+    loss_P, reward_Px2 = dpo_losses(logp_Px2, ref_Px2, cfg.beta, cfg.dpo_loss, cfg.label_smoothing)
+    return loss_P, reward_Px2, {}
+
+
+def simpo_pair_loss(cfg: SimPOConfig, logp_Px2, len_Px2, ref_Px2):
+    loss_P, reward_Px2 = simpo_losses(logp_Px2, len_Px2, cfg.beta, cfg.simpo_gamma,
+                                      cfg.label_smoothing)
+    return loss_P, reward_Px2, {}
+
+
+def orpo_pair_loss(cfg: ORPOConfig, logp_Px2, len_Px2, ref_Px2):
+    return orpo_losses(logp_Px2, len_Px2, cfg.orpo_lambda)
+
+
+def pair_metrics(loss_P: jax.Array, reward_Px2: jax.Array, extra: dict, logp_Px2: jax.Array,
+                 pair_mask_P: jax.Array, norm: jax.Array) -> tuple[jax.Array, dict]:
     """This micro-batch's share of the global mean over pairs (`norm`: real pairs in the
     global batch), and metrics additive the same way."""
-    extra: dict[str, jax.Array] = {}
-    if cfg.name == "dpo":
-        loss_P, reward_Px2 = dpo_losses(logp_Px2, ref_Px2, cfg.beta, cfg.dpo_loss,
-                                        cfg.label_smoothing)
-    elif cfg.name == "simpo":
-        loss_P, reward_Px2 = simpo_losses(logp_Px2, len_Px2, cfg.beta, cfg.simpo_gamma,
-                                          cfg.label_smoothing)
-    elif cfg.name == "orpo":
-        loss_P, reward_Px2, extra = orpo_losses(logp_Px2, len_Px2, cfg.orpo_lambda)
-    else:
-        raise ValueError(f"{cfg.name!r} is not a preference algorithm; use dpo, simpo or orpo")
     mean = lambda x_P: (x_P * pair_mask_P).sum() / norm  # noqa: E731
     loss = mean(loss_P)
     metrics = {"loss": loss, "rewards/chosen": mean(reward_Px2[:, 0]),
@@ -122,22 +147,42 @@ def pair_loss(cfg: AlgoConfig, logp_Px2: jax.Array, len_Px2: jax.Array,
     return loss, metrics
 
 
-def needs_reference(cfg: AlgoConfig) -> bool:
-    """Only DPO compares with the frozen initial model; SimPO and ORPO are reference-free."""
-    return cfg.name == "dpo"
+@dataclass(frozen=True)
+class PairObjective(Objective):
+    """A preference objective over summed completion log-probs. `pair_loss(logp_Px2,
+    len_Px2, ref_Px2, pair_mask_P, norm) -> (loss, metrics)` is its loss given the
+    log-probs, which evaluation computes once per batch and reuses for the reference."""
+
+    pair_loss: Callable[..., tuple[jax.Array, dict]] | None = None
 
 
-def preference_objective(cfg: AlgoConfig) -> Objective:
-    """The objective the shared train step differentiates."""
+def pair_objective(cfg: Any, pair_loss: PairLoss, reference: bool) -> PairObjective:
+    """The objective of a pair loss; `reference`: the batch carries ref_logps (DPO)."""
     def normalizer(batch: Batch) -> jax.Array:
         return jnp.maximum(batch["pair_mask"].sum(), 1.0)
 
+    def on_logps(logp_Px2, len_Px2, ref_Px2, pair_mask_P, norm):
+        loss_P, reward_Px2, extra = pair_loss(cfg, logp_Px2, len_Px2, ref_Px2)
+        return pair_metrics(loss_P, reward_Px2, extra, logp_Px2, pair_mask_P, norm)
+
     def loss(spec: Any, params: Any, batch: Batch, norm: jax.Array):
         logp_Px2, len_Px2 = sequence_logps(spec, params, batch)
-        ref_Px2 = jax.lax.stop_gradient(batch["ref_logps"]) if needs_reference(cfg) else None
-        loss, metrics = pair_loss(cfg, logp_Px2, len_Px2, ref_Px2, batch["pair_mask"], norm)
+        ref_Px2 = jax.lax.stop_gradient(batch["ref_logps"]) if reference else None
+        loss, metrics = on_logps(logp_Px2, len_Px2, ref_Px2, batch["pair_mask"], norm)
         metrics["tokens"] = ((batch["prompt_lengths"] * batch["pair_mask"]).sum()
                              + batch["comp_mask"].sum())
         return loss, metrics
 
-    return Objective(loss=loss, normalizer=normalizer)
+    return PairObjective(loss=loss, normalizer=normalizer, pair_loss=on_logps)
+
+
+def dpo_objective(cfg: DPOConfig, rollout: RolloutConfig) -> PairObjective:
+    return pair_objective(cfg, dpo_pair_loss, reference=True)
+
+
+def simpo_objective(cfg: SimPOConfig, rollout: RolloutConfig) -> PairObjective:
+    return pair_objective(cfg, simpo_pair_loss, reference=False)
+
+
+def orpo_objective(cfg: ORPOConfig, rollout: RolloutConfig) -> PairObjective:
+    return pair_objective(cfg, orpo_pair_loss, reference=False)

@@ -13,70 +13,25 @@ prompt tokens) so that micro-batches split whole groups: prompt_tokens (P x W),
 prompt_lengths (P), completions (P x G x N), completion_lengths (P x G), comp_mask
 (P x G x N: 1 on completion tokens that carry loss), advantages (P x G), and when needed
 old_logprobs (num_iterations > 1), ref_logprobs (beta > 0) and sampler_logprobs
-(tis_cap), each P x G x N. `policy_loss` takes the same keys flattened to B = P x G rows.
+(tis_cap), each P x G x N. `prepare` adds advantages and the log-probs to the rollout batch.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from gpurl.algorithms.common import (Batch, Objective, aggregate, clipped_objective,
-                                     group_logprobs, kl_estimate, sequence_ratio)
-from gpurl.config import AlgoConfig
-
-
-def _ratio(cfg: AlgoConfig, logp_BxT: jax.Array, old_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
-    if cfg.importance == "token":
-        return jnp.exp(logp_BxT - old_BxT)
-    seq_B = sequence_ratio(logp_BxT, old_BxT, mask_BxT)
-    if cfg.importance == "sequence":
-        return jnp.broadcast_to(seq_B[:, None], logp_BxT.shape)
-    # GSPO-token (Zheng et al. 2025, eq. 13): the sequence ratio's value, token gradients.
-    return jax.lax.stop_gradient(seq_B)[:, None] * jnp.exp(logp_BxT - jax.lax.stop_gradient(logp_BxT))
+from gpurl.algorithms.forward import group_logprobs
+from gpurl.algorithms.objective import Batch, Objective
+from gpurl.algorithms.policy_gradient import (flat_rows, group_advantages, kl_estimate,
+                                              policy_loss, token_normalizer)
+from gpurl.algorithms.rl import RLContext, RLInputs
+from gpurl.algorithms.rm import reward_model_scores
+from gpurl.config import GRPOConfig, RolloutConfig
 
 
-def policy_loss(cfg: AlgoConfig, logp_BxT: jax.Array, batch: Batch, norm: dict,
-                max_tokens: int) -> tuple[jax.Array, dict]:
-    """This micro-batch's share of the loss from policy log-probs (B x T-1)."""
-    mask_BxT = batch["comp_mask"]
-    old_BxT = batch.get("old_logprobs", jax.lax.stop_gradient(logp_BxT))
-    adv = batch["advantages"]  # B (one per sequence) or B x T (PPO's per-token GAE)
-    adv_BxT = adv[:, None] if adv.ndim == 1 else adv
-    ratio_BxT = _ratio(cfg, logp_BxT, old_BxT, mask_BxT)
-    per_token = clipped_objective(ratio_BxT, adv_BxT, cfg.epsilon, cfg.clip_high, cfg.dual_clip)
-    if cfg.tis_cap is not None:  # truncated importance sampling (Yao et al. 2025)
-        weight = jnp.minimum(jnp.exp(old_BxT - batch["sampler_logprobs"]), cfg.tis_cap)
-        per_token = per_token * jax.lax.stop_gradient(weight)
-    metrics = {}
-    if cfg.beta > 0 and not cfg.kl_in_reward:
-        kl_BxT = kl_estimate(logp_BxT, batch["ref_logprobs"], cfg.kl_estimator)
-        per_token = per_token + cfg.beta * kl_BxT
-        metrics["kl"] = (kl_BxT * mask_BxT).sum() / norm["tokens"]
-    loss = aggregate(per_token, mask_BxT, cfg.loss_agg, norm["tokens"], norm["seqs"], max_tokens)
-    clipped = (ratio_BxT < 1 - cfg.epsilon) | (ratio_BxT > 1 + cfg.clip_high)
-    metrics.update(loss=loss, clip_fraction=(clipped * mask_BxT).sum() / norm["tokens"],
-                   tokens=mask_BxT.sum())
-    return loss, metrics
-
-
-ROW_KEYS = ("comp_mask", "advantages", "old_logprobs", "ref_logprobs", "sampler_logprobs",
-            "values", "returns")
-
-
-def flat_rows(batch: Batch) -> Batch:
-    """The per-row keys of a grouped batch with P x G flattened to B rows."""
-    return {k: v.reshape(-1, *v.shape[2:]) for k, v in batch.items() if k in ROW_KEYS}
-
-
-def grpo_objective(cfg: AlgoConfig, max_tokens: int, temperature: float = 1.0) -> Objective:
+def objective(cfg: GRPOConfig, rollout: RolloutConfig) -> Objective:
     """The objective the shared train step differentiates."""
-    def normalizer(batch: Batch) -> dict:
-        mask_BxN = flat_rows(batch)["comp_mask"]
-        return {"tokens": jnp.maximum(mask_BxN.sum(), 1.0),
-                "seqs": jnp.maximum((mask_BxN.sum(-1) > 0).sum(), 1).astype(jnp.float32)}
+    temperature, max_tokens = rollout.temperature, rollout.max_new_tokens
 
     def loss(spec: Any, params: Any, batch: Batch, norm: dict):
         logp_PxGxN, entropy_PxGxN = group_logprobs(spec, params, batch, temperature)
@@ -86,4 +41,28 @@ def grpo_objective(cfg: AlgoConfig, max_tokens: int, temperature: float = 1.0) -
         metrics["entropy"] = (entropy_PxGxN * batch["comp_mask"]).sum() / norm["tokens"]
         return loss, metrics
 
-    return Objective(loss=loss, normalizer=normalizer)
+    return Objective(loss=loss, normalizer=token_normalizer)
+
+
+def prepare(cfg: GRPOConfig, ctx: RLContext, x: RLInputs) -> tuple[Batch, dict, dict]:
+    """Reference and old log-probs, a reward model's score and the KL penalty in the
+    reward when configured, then group advantages."""
+    policy, params, batch = ctx.spec.policy, ctx.spec.policy_params(x.params), x.batch
+    temp, group = ctx.temperature, batch["completions"].shape[1]
+    out, metrics, rewards_B = dict(batch), {}, x.rewards
+    if x.ref_params is not None:
+        out["ref_logprobs"] = group_logprobs(policy, x.ref_params, batch, temp)[0]
+    if cfg.num_iterations > 1 or cfg.tis_cap is not None:
+        out["old_logprobs"] = group_logprobs(policy, params, batch, temp)[0]
+    if ctx.reward_model is not None:
+        scores_B = reward_model_scores(ctx.reward_model, x.reward_model, batch)
+        rewards_B = rewards_B + scores_B
+        metrics["reward/model"] = scores_B.mean()
+    if x.ref_params is not None and cfg.kl_in_reward:
+        old = out.get("old_logprobs", batch["sampler_logprobs"])
+        kl_B = (kl_estimate(old, out["ref_logprobs"], cfg.kl_estimator)
+                * batch["comp_mask"]).sum(-1).reshape(-1)
+        rewards_B = rewards_B - cfg.beta * kl_B
+    out["advantages"] = group_advantages(rewards_B, group, cfg.advantage,
+                                         cfg.adv_eps).reshape(-1, group)
+    return out, metrics, x.carry

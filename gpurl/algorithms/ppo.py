@@ -15,7 +15,8 @@ Per completion token t (B sequences, N token slots, mask m):
   form of OpenAI baselines' PPO2, token mean;
 - loss = policy + vf_coef value - entropy_coef entropy;
 - adaptive KL coefficient (Ziegler et al. 2019, sec. 2.2): e = clip(KL / KL_target - 1,
-  -0.2, 0.2), beta <- beta (1 + e rows / horizon), KL the mean summed KL per sequence.
+  -0.2, 0.2), beta <- beta (1 + e rows / horizon), KL the mean summed KL per sequence; the
+  coefficient is the prepare step's carry, updated on device (checkpointed as kl_coef).
 
 Batch keys beyond GRPO's (P x G x N unless noted): old_logprobs, ref_logprobs (beta > 0),
 values, returns, and advantages (per token).
@@ -27,13 +28,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from gpurl.algorithms.common import (Batch, Objective, final_states, group_logprobs,
-                                     group_states, kl_estimate, states_logprobs)
-from gpurl.algorithms.grpo import flat_rows, policy_loss
-from gpurl.config import AlgoConfig
-from gpurl.models.scalar import ActorCriticSpec, ScalarSpec, head
+from gpurl.algorithms.forward import group_logprobs, group_states, states_logprobs
+from gpurl.algorithms.objective import Batch, Objective
+from gpurl.algorithms.policy_gradient import (flat_rows, kl_estimate, policy_loss,
+                                              token_normalizer)
+from gpurl.algorithms.rl import RLContext, RLInputs
+from gpurl.algorithms.rm import reward_model_scores
+from gpurl.config import KLControlConfig, ModelConfig, PPOConfig, RolloutConfig
+from gpurl.models.scalar import ActorCriticSpec, head
 
 
 def token_rewards(scores_B: jax.Array, kl_BxN: jax.Array, mask_BxN: jax.Array,
@@ -93,32 +96,25 @@ def critic_values(spec: ActorCriticSpec, params: Any, batch: Batch,
     return head(critic["score"], states[:, :-1])
 
 
-def reward_model_scores(spec: ScalarSpec, params: Any, batch: Batch) -> jax.Array:
-    """A reward model's score of every completion (after its last token), B fp32."""
-    states = group_states(spec.base, params["backbone"], batch)
-    last_BxD = final_states(states, batch["completion_lengths"].reshape(-1))
-    return head(params["score"], last_BxD[:, None])[:, 0]
-
-
-def prepare(cfg: AlgoConfig, spec: ActorCriticSpec, temperature: float, params: Any,
-            ref_params: Any, reward_model: tuple[ScalarSpec, Any] | None, batch: Batch,
-            scores_B: jax.Array, kl_coef: jax.Array) -> tuple[Batch, dict]:
+def prepare(cfg: PPOConfig, ctx: RLContext, x: RLInputs) -> tuple[Batch, dict, dict]:
     """Old log-probs and values, token rewards, GAE advantages and returns of a rollout
-    batch (before the train step; nothing here is differentiated)."""
+    batch (before the train step; nothing here is differentiated), and the next KL
+    coefficient."""
+    spec, batch, kl_coef = ctx.spec, x.batch, x.carry["kl_coef"]
     p, g, n = batch["completions"].shape
-    policy = params["policy"]
+    policy = x.params["policy"]
     states = group_states(spec.policy, policy, batch)
-    old_BxN = states_logprobs(spec.policy, policy, states, batch, temperature)[0].reshape(-1, n)
-    values_BxN = critic_values(spec, params, batch, states)
+    old_BxN = states_logprobs(spec.policy, policy, states, batch, ctx.temperature)[0].reshape(-1, n)
+    values_BxN = critic_values(spec, x.params, batch, states)
     mask_BxN = batch["comp_mask"].reshape(-1, n)
-    out, stats = dict(batch), {}
+    out, stats, scores_B = dict(batch), {}, x.rewards
     kl_BxN = jnp.zeros_like(old_BxN)
-    if ref_params is not None:
-        ref_BxN = group_logprobs(spec.policy, ref_params, batch, temperature)[0].reshape(-1, n)
+    if x.ref_params is not None:
+        ref_BxN = group_logprobs(spec.policy, x.ref_params, batch, ctx.temperature)[0].reshape(-1, n)
         out["ref_logprobs"] = ref_BxN.reshape(p, g, n)
         kl_BxN = kl_estimate(old_BxN, ref_BxN, cfg.kl_estimator) * mask_BxN
-    if reward_model is not None:
-        rm_B = reward_model_scores(reward_model[0], reward_model[1], batch)
+    if ctx.reward_model is not None:
+        rm_B = reward_model_scores(ctx.reward_model, x.reward_model, batch)
         scores_B = scores_B + rm_B
         stats["reward/model"] = rm_B.mean()
     rewards_BxN = token_rewards(scores_B, kl_BxN, mask_BxN, kl_coef)
@@ -129,32 +125,42 @@ def prepare(cfg: AlgoConfig, spec: ActorCriticSpec, temperature: float, params: 
     out.update(old_logprobs=grouped(old_BxN), values=grouped(values_BxN),
                returns=grouped(returns_BxN), advantages=grouped(adv_BxN))
     tokens = jnp.maximum(mask_BxN.sum(), 1.0)
-    stats.update({"kl/rollout": kl_BxN.sum(-1).mean(), "kl/coef": jnp.asarray(kl_coef),
+    kl = kl_BxN.sum(-1).mean()
+    stats.update({"kl/rollout": kl, "kl/coef": jnp.asarray(kl_coef),
                   "values/mean": (values_BxN * mask_BxN).sum() / tokens,
                   "returns/mean": (returns_BxN * mask_BxN).sum() / tokens})
-    return out, stats
+    return out, stats, {"kl_coef": adaptive_kl_coef(cfg, kl_coef, kl, p * g)}
 
 
-class AdaptiveKL:
-    """The KL coefficient of Ziegler et al. 2019 (sec. 2.2), on the host between steps."""
-
-    def __init__(self, beta: float, target: float | None, horizon: int):
-        self.value, self.target, self.horizon = beta, target, horizon
-
-    def update(self, kl: float, rows: int) -> None:
-        if self.target is None:
-            return
-        error = float(np.clip(kl / self.target - 1.0, -0.2, 0.2))
-        self.value *= 1.0 + error * rows / self.horizon
+def adaptive_kl_coef(cfg: KLControlConfig, beta: jax.Array, kl: jax.Array,
+                     rows: int) -> jax.Array:
+    """The KL coefficient of Ziegler et al. 2019 (sec. 2.2) after a step that measured `kl`
+    (the mean summed KL per sequence) over `rows` sequences; fixed without a target."""
+    if cfg.kl_target is None:
+        return beta
+    error = jnp.clip(kl / cfg.kl_target - 1.0, -0.2, 0.2)
+    return beta * (1.0 + error * rows / cfg.kl_horizon)
 
 
-def ppo_objective(cfg: AlgoConfig, max_tokens: int, temperature: float = 1.0) -> Objective:
+def initial_carry(cfg: PPOConfig) -> dict[str, float]:
+    """The prepare step's state before the first step: the KL coefficient at algo.beta."""
+    return {"kl_coef": cfg.beta}
+
+
+def model(cfg: PPOConfig, model_cfg: ModelConfig) -> ActorCriticSpec:
+    """What PPO trains: the policy and its critic, as one parameter tree."""
+    return ActorCriticSpec.of(model_cfg, cfg.critic)
+
+
+def optimizer_parts(cfg: PPOConfig) -> dict[str, float | None]:
+    """An AdamW per part: the critic at algo.critic_lr (None: optim.lr)."""
+    return {"policy": None, "critic": cfg.critic_lr}
+
+
+def objective(cfg: PPOConfig, rollout: RolloutConfig) -> Objective:
     """Policy and critic losses of one batch, differentiated together (each part's
     gradient reaches only its own parameters unless the backbone is shared)."""
-    def normalizer(batch: Batch) -> dict:
-        mask_BxN = flat_rows(batch)["comp_mask"]
-        return {"tokens": jnp.maximum(mask_BxN.sum(), 1.0),
-                "seqs": jnp.maximum((mask_BxN.sum(-1) > 0).sum(), 1).astype(jnp.float32)}
+    temperature, max_tokens = rollout.temperature, rollout.max_new_tokens
 
     def loss(spec: ActorCriticSpec, params: Any, batch: Batch, norm: dict):
         states = group_states(spec.policy, params["policy"], batch)
@@ -175,4 +181,4 @@ def ppo_objective(cfg: AlgoConfig, max_tokens: int, temperature: float = 1.0) ->
                        / norm["tokens"])
         return total, metrics
 
-    return Objective(loss=loss, normalizer=normalizer)
+    return Objective(loss=loss, normalizer=token_normalizer)

@@ -5,7 +5,8 @@ InstructGPT, eq. 1): the probability that the chosen completion y_w beats the re
 y_l is sigma(r(x, y_w) - r(x, y_l)), and the loss is -log sigma(r_w - r_l), averaged over
 pairs. r(x, y) is the scalar head on the state after the whole completion
 (`gpurl.models.scalar`), i.e. the last token of prompt + completion, as transformers'
-`...ForSequenceClassification` reads it.
+`...ForSequenceClassification` reads it. `reward_model_scores` is the same score of RL
+completions, where a trained reward model gives the reward (`algo.reward_model`).
 
 Batch keys as for DPO (`gpurl.algorithms.dpo`): prompt_tokens (P x W), prompt_lengths (P),
 completions (P x 2 x N, chosen first), completion_lengths (P x 2), comp_mask, pair_mask (P).
@@ -18,8 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gpurl.algorithms.common import Batch, Objective, final_states, group_states
-from gpurl.models.scalar import ScalarSpec, head
+from gpurl.algorithms.forward import final_states, group_states
+from gpurl.algorithms.objective import Batch, Objective
+from gpurl.config import ModelConfig, RewardModelConfig, RolloutConfig
+from gpurl.models.scalar import ScalarSpec, head, scalar_spec
 
 
 def pair_scores(spec: ScalarSpec, params: Any, batch: Batch) -> jax.Array:
@@ -41,7 +44,19 @@ def bradley_terry(scores_Px2: jax.Array, pair_mask_P: jax.Array,
                   "rewards/accuracy": mean((margin_P > 0).astype(jnp.float32))}
 
 
-def rm_objective() -> Objective:
+def reward_model_scores(spec: ScalarSpec, params: Any, batch: Batch) -> jax.Array:
+    """A reward model's score of every completion (after its last token), B fp32."""
+    states = group_states(spec.base, params["backbone"], batch)
+    last_BxD = final_states(states, batch["completion_lengths"].reshape(-1))
+    return head(params["score"], last_BxD[:, None])[:, 0]
+
+
+def model(cfg: RewardModelConfig, model_cfg: ModelConfig) -> ScalarSpec:
+    """What algo=rm trains: the decoder's backbone with a scalar head."""
+    return scalar_spec(model_cfg)
+
+
+def objective(cfg: RewardModelConfig, rollout: RolloutConfig) -> Objective:
     def normalizer(batch: Batch) -> jax.Array:
         return jnp.maximum(batch["pair_mask"].sum(), 1.0)
 

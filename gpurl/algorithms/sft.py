@@ -12,10 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gpurl.algorithms.common import Objective, shifted_targets
-from gpurl.config import AlgoConfig
-
-Batch = dict[str, jax.Array]
+from gpurl.algorithms.forward import shifted_targets
+from gpurl.algorithms.objective import Batch, Objective
+from gpurl.config import RolloutConfig, SFTConfig
 
 
 def token_nll(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
@@ -30,7 +29,7 @@ def token_nll(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
     return nll_BxT, correct_BxT
 
 
-def sft_objective(cfg: AlgoConfig) -> Objective:
+def objective(cfg: SFTConfig, rollout: RolloutConfig) -> Objective:
     def normalizer(batch: Batch) -> jax.Array:
         return jnp.maximum(shifted_targets(batch)[1].sum(), 1.0)
 

@@ -29,10 +29,10 @@ def step_indices(num_rows: int, batch_size: int, step: int, seed: int) -> np.nda
     start, stop = step * batch_size, (step + 1) * batch_size
     parts = []
     for epoch in range(start // num_rows, (stop - 1) // num_rows + 1):
-        perm_N = np.random.default_rng([seed, epoch]).permutation(num_rows)
+        perm_X = np.random.default_rng([seed, epoch]).permutation(num_rows)
         lo = max(start - epoch * num_rows, 0)
         hi = min(stop - epoch * num_rows, num_rows)
-        parts.append(perm_N[lo:hi])
+        parts.append(perm_X[lo:hi])
     return np.concatenate(parts).astype(np.int64)
 
 
@@ -68,5 +68,5 @@ def eval_batches(rows: TokenRows, batch_size: int) -> Iterator[dict[str, np.ndar
 
 
 def _pad_rows(array_BxT: np.ndarray, missing: int, value: int) -> np.ndarray:
-    pad_MxT = np.full((missing, array_BxT.shape[1]), value, array_BxT.dtype)
-    return np.concatenate([array_BxT, pad_MxT])
+    pad_BxT = np.full((missing, array_BxT.shape[1]), value, array_BxT.dtype)
+    return np.concatenate([array_BxT, pad_BxT])

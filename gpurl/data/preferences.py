@@ -103,16 +103,16 @@ def encode_pairs(rows: list[dict], tokenizer: Tokenizer, cfg: DataConfig, what: 
                           f"raise data.max_len.")
     n, width = len(kept), max(len(p) for _, p, _, _ in kept)
     comp_width = max(max(len(c), len(r)) for _, _, c, r in kept)
-    prompt_NxW = np.full((n, width), tokenizer.pad_id, np.int32)
-    comp_Nx2xC = np.full((n, 2, comp_width), tokenizer.pad_id, np.int32)
-    comp_len_Nx2 = np.zeros((n, 2), np.int32)
+    prompt_PxW = np.full((n, width), tokenizer.pad_id, np.int32)
+    comp_Px2xN = np.full((n, 2, comp_width), tokenizer.pad_id, np.int32)
+    comp_len_Px2 = np.zeros((n, 2), np.int32)
     for j, (_, p, c, r) in enumerate(kept):
-        prompt_NxW[j, :len(p)] = p
+        prompt_PxW[j, :len(p)] = p
         for k, ids in enumerate((c, r)):
-            comp_Nx2xC[j, k, :len(ids)] = ids
-            comp_len_Nx2[j, k] = len(ids)
-    return PairRows(prompt_NxW, np.asarray([len(p) for _, p, _, _ in kept], np.int32),
-                    comp_Nx2xC, comp_len_Nx2, [rows[i] for i, *_ in kept], len(rows) - n)
+            comp_Px2xN[j, k, :len(ids)] = ids
+            comp_len_Px2[j, k] = len(ids)
+    return PairRows(prompt_PxW, np.asarray([len(p) for _, p, _, _ in kept], np.int32),
+                    comp_Px2xN, comp_len_Px2, [rows[i] for i, *_ in kept], len(rows) - n)
 
 
 def _texts(row: dict, tokenizer: Tokenizer, chat: bool) -> tuple[str, str, str]:
@@ -130,7 +130,7 @@ def take_pairs(pairs: PairRows, indices: np.ndarray) -> dict[str, np.ndarray]:
     idx = np.where(real_P, indices, 0)
     comp_len_Px2 = pairs.completion_lengths[idx]
     slots = np.arange(pairs.completions.shape[2])
-    mask_Px2xC = (slots < comp_len_Px2[..., None]) & real_P[:, None, None]
+    mask_Px2xN = (slots < comp_len_Px2[..., None]) & real_P[:, None, None]
     return {"prompt_tokens": pairs.prompt_tokens[idx], "prompt_lengths": pairs.prompt_lengths[idx],
             "completions": pairs.completions[idx], "completion_lengths": comp_len_Px2,
-            "comp_mask": mask_Px2xC.astype(np.float32), "pair_mask": real_P.astype(np.float32)}
+            "comp_mask": mask_Px2xN.astype(np.float32), "pair_mask": real_P.astype(np.float32)}

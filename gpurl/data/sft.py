@@ -22,12 +22,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TokenRows:
-    """N rows of T tokens. Row arrays are (N, T); the glossary letter E counts examples."""
+    """B rows of T tokens (arrays B x T); in building them X counts examples and Z the
+    tokens of all examples one after another (`gpurl.glossary`)."""
 
-    tokens: np.ndarray  # (N, T) int32, pad_id where empty
-    positions: np.ndarray  # (N, T) int32, position within its own example (0 at each start)
-    segment_ids: np.ndarray  # (N, T) int32, 1.. per example within a row, 0 = padding
-    # (N, T) float32: 1.0 where tokens[n, t] is a completion token (or the final eos)
+    tokens: np.ndarray  # B x T int32, pad_id where empty
+    positions: np.ndarray  # B x T int32, position within its own example (0 at each start)
+    segment_ids: np.ndarray  # B x T int32, 1.. per example within a row, 0 = padding
+    # B x T float32: 1.0 where tokens[b, t] is a completion token (or the final eos)
     # predicted from position t - 1; i.e. aligned with the targets, not the inputs.
     loss_mask: np.ndarray
     num_truncated: int  # examples longer than T that lost their tail
@@ -58,8 +59,8 @@ def encode_sft(examples: list[dict], tokenizer: Tokenizer, cfg: DataConfig) -> T
     completion_ids = tokenizer.encode_batch(list(completions))
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     seqs = [bos + p + c + [tokenizer.eos_id] for p, c in zip(prompt_ids, completion_ids)]
-    prompt_len_E = np.array([len(bos) + len(p) for p in prompt_ids], dtype=np.int64)
-    return _layout(seqs, prompt_len_E, cfg.max_len, cfg.packing, tokenizer.pad_id)
+    prompt_len_X = np.array([len(bos) + len(p) for p in prompt_ids], dtype=np.int64)
+    return _layout(seqs, prompt_len_X, cfg.max_len, cfg.packing, tokenizer.pad_id)
 
 
 def _chat_texts(example: dict, tokenizer: Tokenizer) -> tuple[str, str]:
@@ -80,56 +81,56 @@ def _chat_texts(example: dict, tokenizer: Tokenizer) -> tuple[str, str]:
     return prompt, completion
 
 
-def _layout(seqs: list[list[int]], prompt_len_E: np.ndarray, T: int, packing: bool,
+def _layout(seqs: list[list[int]], prompt_len_X: np.ndarray, T: int, packing: bool,
             pad_id: int) -> TokenRows:
     """Place each (right-truncated) sequence in its row and build the row arrays at once."""
-    full_len_E = np.array([len(s) for s in seqs], dtype=np.int64)
-    flat_F = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32,
-                         count=int(full_len_E.sum()))
-    pos_F = np.arange(flat_F.size) - np.repeat(np.cumsum(full_len_E) - full_len_E, full_len_E)
-    keep_F = pos_F < T
-    len_E = np.minimum(full_len_E, T)
-    flat_F, pos_F = flat_F[keep_F], pos_F[keep_F]
+    full_len_X = np.array([len(s) for s in seqs], dtype=np.int64)
+    flat_Z = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32,
+                         count=int(full_len_X.sum()))
+    pos_Z = np.arange(flat_Z.size) - np.repeat(np.cumsum(full_len_X) - full_len_X, full_len_X)
+    keep_Z = pos_Z < T
+    len_X = np.minimum(full_len_X, T)
+    flat_Z, pos_Z = flat_Z[keep_Z], pos_Z[keep_Z]
 
     num_examples = len(seqs)
     if packing:
-        row_E, offset_E, seg_E = _first_fit(len_E.tolist(), T)
+        row_X, offset_X, seg_X = _first_fit(len_X.tolist(), T)
     else:
-        row_E = np.arange(num_examples)
-        offset_E, seg_E = np.zeros(num_examples, np.int64), np.ones(num_examples, np.int64)
-    num_rows = int(row_E.max()) + 1
+        row_X = np.arange(num_examples)
+        offset_X, seg_X = np.zeros(num_examples, np.int64), np.ones(num_examples, np.int64)
+    num_rows = int(row_X.max()) + 1
 
-    dest_F = np.repeat(row_E * T + offset_E, len_E) + pos_F
+    dest_Z = np.repeat(row_X * T + offset_X, len_X) + pos_Z
     # The first token of an example has nothing before it in its segment to predict from.
-    first_loss_E = np.maximum(prompt_len_E, 1)
+    first_loss_X = np.maximum(prompt_len_X, 1)
     tokens = np.full(num_rows * T, pad_id, np.int32)
     positions = np.zeros(num_rows * T, np.int32)
     segment_ids = np.zeros(num_rows * T, np.int32)
     loss_mask = np.zeros(num_rows * T, np.float32)
-    tokens[dest_F] = flat_F
-    positions[dest_F] = pos_F
-    segment_ids[dest_F] = np.repeat(seg_E, len_E)
-    loss_mask[dest_F] = pos_F >= np.repeat(first_loss_E, len_E)
+    tokens[dest_Z] = flat_Z
+    positions[dest_Z] = pos_Z
+    segment_ids[dest_Z] = np.repeat(seg_X, len_X)
+    loss_mask[dest_Z] = pos_Z >= np.repeat(first_loss_X, len_X)
     shape = (num_rows, T)
     return TokenRows(tokens.reshape(shape), positions.reshape(shape), segment_ids.reshape(shape),
-                     loss_mask.reshape(shape), int((full_len_E > T).sum()), pad_id)
+                     loss_mask.reshape(shape), int((full_len_X > T).sum()), pad_id)
 
 
-def _first_fit(len_E: list[int], T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _first_fit(len_X: list[int], T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Greedy first-fit bin packing in example order: (row, offset, segment id) per example.
 
     A max-tree over the free space of every potential row (one per example, all empty at
     first) finds the lowest row with room in O(log E), so packing a large dataset stays
     fast; an unopened row is simply the first empty leaf.
     """
-    size = 1 << max(len(len_E) - 1, 0).bit_length()
-    free = [0] * size + [T] * len(len_E) + [0] * (size - len(len_E))
+    size = 1 << max(len(len_X) - 1, 0).bit_length()
+    free = [0] * size + [T] * len(len_X) + [0] * (size - len(len_X))
     for node in range(size - 1, 0, -1):
         free[node] = max(free[2 * node], free[2 * node + 1])
-    used = [0] * len(len_E)  # tokens already placed in each row
-    count = [0] * len(len_E)  # examples already placed in each row
+    used = [0] * len(len_X)  # tokens already placed in each row
+    count = [0] * len(len_X)  # examples already placed in each row
     rows, offsets, segs = [], [], []
-    for length in len_E:
+    for length in len_X:
         node = 1
         while node < size:
             node = 2 * node if free[2 * node] >= length else 2 * node + 1

@@ -125,12 +125,12 @@ def _hold_out(rows: list[dict], cfg: DataConfig) -> tuple[list[dict], list[dict]
         raise ConfigError(
             f"data.num_eval={cfg.num_eval} leaves no training rows in {cfg.path} "
             f"({len(rows)} rows); lower data.num_eval or set data.eval_path.")
-    order_N = np.random.default_rng(cfg.seed).permutation(len(rows))
+    order_X = np.random.default_rng(cfg.seed).permutation(len(rows))
     split = len(rows) - cfg.num_eval
     # Training rows stay in file order: batching shuffles them anyway, and file order
     # makes a run's data easy to inspect.
-    train_idx = np.sort(order_N[:split])
-    return [rows[i] for i in train_idx], [rows[i] for i in order_N[split:]]
+    train_idx = np.sort(order_X[:split])
+    return [rows[i] for i in train_idx], [rows[i] for i in order_X[split:]]
 
 
 def read_jsonl(path_str: str | None, key: str = "data.path",

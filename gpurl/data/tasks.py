@@ -26,19 +26,19 @@ def _arithmetic_space(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, np.ndarr
         raise ConfigError(f"data.a_range={list(cfg.a_range)} and data.b_range="
                           f"{list(cfg.b_range)} give over {_MAX_PROBLEMS:,} operand pairs; "
                           f"narrow the ranges.")
-    a_P, b_P = np.meshgrid(np.arange(a_lo, a_hi + 1), np.arange(b_lo, b_hi + 1), indexing="ij")
-    a_P, b_P = a_P.reshape(-1), b_P.reshape(-1)
-    every_P = np.ones(a_P.size, bool)
-    keep = {"+": every_P, "-": a_P >= b_P, "*": every_P}
+    a_grid, b_grid = np.meshgrid(np.arange(a_lo, a_hi + 1), np.arange(b_lo, b_hi + 1), indexing="ij")
+    a_grid, b_grid = a_grid.reshape(-1), b_grid.reshape(-1)
+    every = np.ones(a_grid.size, bool)
+    keep = {"+": every, "-": a_grid >= b_grid, "*": every}
     chosen = [(i, keep[op]) for i, op in enumerate(_OPS) if op in cfg.ops]
-    a_S = np.concatenate([a_P[keep_P] for _, keep_P in chosen])
-    b_S = np.concatenate([b_P[keep_P] for _, keep_P in chosen])
-    op_S = np.concatenate([np.full(int(keep_P.sum()), i) for i, keep_P in chosen])
-    if not a_S.size:
+    a_all = np.concatenate([a_grid[keep_grid] for _, keep_grid in chosen])
+    b_all = np.concatenate([b_grid[keep_grid] for _, keep_grid in chosen])
+    op_all = np.concatenate([np.full(int(keep_grid.sum()), i) for i, keep_grid in chosen])
+    if not a_all.size:
         raise ConfigError(f"data.ops={list(cfg.ops)} with data.a_range={list(cfg.a_range)} and "
                           f"data.b_range={list(cfg.b_range)} gives no problem (a - b needs "
                           f"a >= b); widen the ranges or add + to data.ops.")
-    return a_S, b_S, op_S
+    return a_all, b_all, op_all
 
 
 def arithmetic(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict]:
@@ -48,16 +48,16 @@ def arithmetic(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict
     items, as many as there are distinct problems (15,050 by default), are unique; beyond
     that items repeat.
     """
-    a_S, b_S, op_S = _arithmetic_space(cfg)
+    a_all, b_all, op_all = _arithmetic_space(cfg)
     rng = np.random.default_rng(seed)
-    pick_N = rng.permutation(a_S.size)[:num]
-    if num > a_S.size:
-        pick_N = np.concatenate([pick_N, rng.integers(0, a_S.size, num - a_S.size)])
-    a_N, b_N, op_N = a_S[pick_N], b_S[pick_N], op_S[pick_N]
-    result_N = np.choose(op_N, [a_N + b_N, a_N - b_N, a_N * b_N])
+    pick_X = rng.permutation(a_all.size)[:num]
+    if num > a_all.size:
+        pick_X = np.concatenate([pick_X, rng.integers(0, a_all.size, num - a_all.size)])
+    a_X, b_X, op_X = a_all[pick_X], b_all[pick_X], op_all[pick_X]
+    result_X = np.choose(op_X, [a_X + b_X, a_X - b_X, a_X * b_X])
     return [
         {"prompt": f"{a} {_OPS[op]} {b} =", "completion": f" {r}", "answer": str(r)}
-        for a, b, op, r in zip(a_N.tolist(), b_N.tolist(), op_N.tolist(), result_N.tolist())
+        for a, b, op, r in zip(a_X.tolist(), b_X.tolist(), op_X.tolist(), result_X.tolist())
     ]
 
 
@@ -70,10 +70,10 @@ def arithmetic_prefs(num: int, seed: int, cfg: DataConfig = DataConfig()) -> lis
     The offsets come from a stream of their own (prefix-stable in `num` like the items), so
     the problems and the split equal those of `arithmetic` with the same seed."""
     items = arithmetic(num, seed, cfg)
-    draw_N = np.random.default_rng([seed, 2]).integers(0, 20, num)
-    offset_N = np.where(draw_N < 10, -(draw_N + 1), draw_N - 9)
+    draw_X = np.random.default_rng([seed, 2]).integers(0, 20, num)
+    offset_X = np.where(draw_X < 10, -(draw_X + 1), draw_X - 9)
     pairs = []
-    for item, offset in zip(items, offset_N.tolist()):
+    for item, offset in zip(items, offset_X.tolist()):
         right = int(item["answer"])
         wrong = right + offset if right + offset >= 0 else right - offset
         pairs.append({**item, "chosen": item["completion"], "rejected": f" {wrong}"})

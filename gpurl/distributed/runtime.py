@@ -13,6 +13,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from gpurl.config import ConfigError, DistributedConfig
 
@@ -103,6 +104,4 @@ def any_process(flag: bool) -> bool:
     the same point); free with one process."""
     if jax.process_count() == 1:
         return bool(flag)
-    from jax.experimental import multihost_utils
-
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))

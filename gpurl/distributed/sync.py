@@ -16,6 +16,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from gpurl.models import lora
+
 
 class WeightSync:
     """`static` (bools over the parameters; default: a LoRA run's frozen base, see
@@ -23,8 +25,6 @@ class WeightSync:
     once and reused, so a LoRA run sends only its adapters after the first sync."""
 
     def __init__(self, trainer_shardings: Any, rollout_shardings: Any, static: Any = None):
-        from gpurl.models import lora
-
         self.targets = rollout_shardings
         first_train = jax.tree.leaves(trainer_shardings)[0]
         first_rollout = jax.tree.leaves(rollout_shardings)[0]

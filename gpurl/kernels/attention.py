@@ -1,8 +1,8 @@
 """The one attention function every model calls (training, prefill, decode).
 
 `implementation` picks the kernel; this file holds the pure-jnp reference (`xla`) that
-every faster kernel is tested against. Shapes: B batch, T query tokens, S key tokens,
-H query heads, K key/value heads (H % K == 0), D head width.
+every faster kernel is tested against. Shapes (`gpurl.glossary`): B batch, T query
+tokens, S key tokens, H query heads, K key/value heads (H % K == 0), Q = H / K, E head width.
 
 The mask is described, never materialized by the caller: positions and segment ids of the
 queries and of the keys, plus an optional sliding window. A key is visible to a query
@@ -89,9 +89,9 @@ def attention_mask(
 
 
 def attention(
-    q_BxTxHxD: jax.Array,
-    k_BxSxKxD: jax.Array,
-    v_BxSxKxD: jax.Array,
+    q_BxTxHxE: jax.Array,
+    k_BxSxKxE: jax.Array,
+    v_BxSxKxE: jax.Array,
     q_positions_BxT: jax.Array,
     q_segments_BxT: jax.Array,
     kv_positions_BxS: jax.Array,
@@ -103,7 +103,7 @@ def attention(
     contiguous: bool = False,
     implementation: str = "xla",
 ) -> jax.Array:
-    """Grouped-query attention; returns B x T x H x D in the query dtype.
+    """Grouped-query attention; returns B x T x H x E in the query dtype.
 
     `implementation` is one of IMPLEMENTATIONS (resolve `auto` first with `resolve`);
     `contiguous` promises self-attention with positions counting up by one inside each
@@ -111,37 +111,37 @@ def attention(
     if implementation not in _IMPLEMENTATIONS:
         implementation = resolve(implementation)
     if implementation == "cudnn":
-        reason = _cudnn_unsupported(q_BxTxHxD, k_BxSxKxD, softcap, contiguous)
+        reason = _cudnn_unsupported(q_BxTxHxE, k_BxSxKxE, softcap, contiguous)
         if reason:
             _log_once(f"attention: cudnn -> pallas for calls with {reason}.")
             implementation = "pallas"
-    args = (q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_positions_BxT, q_segments_BxT,
+    args = (q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, q_positions_BxT, q_segments_BxT,
             kv_positions_BxS, kv_segments_BxS)
     return _IMPLEMENTATIONS[implementation](*args, scale=scale, softcap=softcap, window=window)
 
 
-def _xla(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, q_seg_BxT, kv_pos_BxS, kv_seg_BxS, *,
+def _xla(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, q_pos_BxT, q_seg_BxT, kv_pos_BxS, kv_seg_BxS, *,
          scale, softcap, window):
     mask_BxTxS = attention_mask(q_pos_BxT, kv_pos_BxS, q_seg_BxT, kv_seg_BxS, window)
-    return _xla_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale, softcap)
+    return _xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS, scale, softcap)
 
 
-def _xla_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, scale, softcap):
-    b, t, h, d = q_BxTxHxD.shape
-    k = k_BxSxKxD.shape[2]
-    q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, k, h // k, d)
-    logits_BxKxGxTxS = jnp.einsum(
-        "btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32)
-    logits_BxKxGxTxS *= scale
+def _xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS, scale, softcap):
+    b, t, h, d = q_BxTxHxE.shape
+    k = k_BxSxKxE.shape[2]
+    q_BxTxKxQxE = q_BxTxHxE.reshape(b, t, k, h // k, d)
+    logits_BxKxQxTxS = jnp.einsum(
+        "btkgd,bskd->bkgts", q_BxTxKxQxE, k_BxSxKxE, preferred_element_type=jnp.float32)
+    logits_BxKxQxTxS *= scale
     if softcap is not None:
-        logits_BxKxGxTxS = softcap * jnp.tanh(logits_BxKxGxTxS / softcap)
+        logits_BxKxQxTxS = softcap * jnp.tanh(logits_BxKxQxTxS / softcap)
     mask = mask_BxTxS[:, None, None, :, :]
-    logits_BxKxGxTxS = jnp.where(mask, logits_BxKxGxTxS, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits_BxKxGxTxS, axis=-1)
+    logits_BxKxQxTxS = jnp.where(mask, logits_BxKxQxTxS, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits_BxKxQxTxS, axis=-1)
     # Rows with no visible key (padding queries) would average all values; zero them.
-    probs = jnp.where(mask, probs, 0.0).astype(v_BxSxKxD.dtype)
-    out_BxTxKxGxD = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD)
-    return out_BxTxKxGxD.reshape(b, t, h, d)
+    probs = jnp.where(mask, probs, 0.0).astype(v_BxSxKxE.dtype)
+    out_BxTxKxQxE = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxE)
+    return out_BxTxKxQxE.reshape(b, t, h, d)
 
 
 def _pallas(*args, scale, softcap, window):
@@ -150,32 +150,32 @@ def _pallas(*args, scale, softcap, window):
                            interpret=interpret)
 
 
-def _cudnn_unsupported(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, softcap: float | None,
+def _cudnn_unsupported(q_BxTxHxE: jax.Array, k_BxSxKxE: jax.Array, softcap: float | None,
                        contiguous: bool) -> str:
     """Why cuDNN cannot run this call ('' when it can)."""
-    d = q_BxTxHxD.shape[-1]
+    d = q_BxTxHxE.shape[-1]
     if softcap is not None:
         return "a logit soft-cap (cuDNN has none)"
-    if not contiguous or q_BxTxHxD.shape[1] != k_BxSxKxD.shape[1]:
+    if not contiguous or q_BxTxHxE.shape[1] != k_BxSxKxE.shape[1]:
         return "a KV cache (cuDNN's mask is index based)"
-    if q_BxTxHxD.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"{q_BxTxHxD.dtype} inputs (cuDNN takes fp16/bf16)"
+    if q_BxTxHxE.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"{q_BxTxHxE.dtype} inputs (cuDNN takes fp16/bf16)"
     if d % 8 or d > 256:
         return f"head width {d} (cuDNN takes multiples of 8 up to 256)"
     return ""
 
 
-def _cudnn(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, q_seg_BxT, kv_pos_BxS, kv_seg_BxS, *,
+def _cudnn(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, q_pos_BxT, q_seg_BxT, kv_pos_BxS, kv_seg_BxS, *,
            scale, softcap, window):
     del softcap, q_pos_BxT, kv_pos_BxS  # no soft-cap here; positions are indices (contiguous)
     same_BxTxS = (q_seg_BxT[:, :, None] == kv_seg_BxS[:, None, :]) & (kv_seg_BxS[:, None, :] != 0)
-    out_BxTxHxD = jax.nn.dot_product_attention(
-        q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask=same_BxTxS[:, None], scale=scale,
+    out_BxTxHxE = jax.nn.dot_product_attention(
+        q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask=same_BxTxS[:, None], scale=scale,
         is_causal=True, local_window_size=None if window is None else (window - 1, 0),
         implementation="cudnn")
     # cuDNN leaves queries without a visible key undefined; the reference returns zeros.
     seen_BxT = q_seg_BxT != 0
-    return jnp.where(seen_BxT[:, :, None, None], out_BxTxHxD, 0).astype(q_BxTxHxD.dtype)
+    return jnp.where(seen_BxT[:, :, None, None], out_BxTxHxE, 0).astype(q_BxTxHxE.dtype)
 
 
 _IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {

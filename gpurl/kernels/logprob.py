@@ -13,7 +13,7 @@ keeps log p an ordinary differentiable array that any RL loss (ratios, clipping,
 
 `token_logprobs_reference` is the pure-jnp version the chunked one is tested against.
 
-Both take the head as `logits_fn(params, hidden_NxD) -> logits_NxV` with the parameters
+Both take the head as `logits_fn(params, hidden_TxD) -> logits_TxV` with the parameters
 passed explicitly (e.g. `ModelSpec.logits` and the full parameter tree, or a function of
 the head weight alone), so gradients reach the parameters and the hidden states.
 """
@@ -48,31 +48,31 @@ def default_chunk_size(vocab_size: int) -> int:
     return 2 ** int(math.log2(tokens))
 
 
-def _stats(logits_NxV: jax.Array, targets_N: jax.Array, temperature: float,
+def _stats(logits_TxV: jax.Array, targets_T: jax.Array, temperature: float,
            differentiable_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
     """log p(target) and the entropy of softmax(logits / temperature), both fp32.
 
     By default the entropy is a metric computed from stop-gradient logits, so it adds no
     term to the backward pass; `differentiable_entropy` keeps its gradient (an entropy
     bonus in the loss, PPO's `algo.entropy_coef`)."""
-    z_NxV = logits_NxV.astype(jnp.float32) / temperature
-    lse_N = jax.nn.logsumexp(z_NxV, axis=-1)
-    target_N = jnp.take_along_axis(z_NxV, targets_N[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    z_TxV = logits_TxV.astype(jnp.float32) / temperature
+    lse_T = jax.nn.logsumexp(z_TxV, axis=-1)
+    target_T = jnp.take_along_axis(z_TxV, targets_T[..., None].astype(jnp.int32), axis=-1)[..., 0]
     # -sum p log p, not lse - sum p z: the latter cancels two large numbers (errors of
     # 2e-5 for peaked distributions in fp32). p = 0 terms are 0, even for z = -inf.
-    logq_NxV = z_NxV - lse_N[..., None]
+    logq_TxV = z_TxV - lse_T[..., None]
     if not differentiable_entropy:
-        logq_NxV = jax.lax.stop_gradient(logq_NxV)
-    p_NxV = jnp.exp(logq_NxV)
+        logq_TxV = jax.lax.stop_gradient(logq_TxV)
+    p_TxV = jnp.exp(logq_TxV)
     # Zero log q where p = 0 before the product: where(p > 0, p * logq, 0) alone would
     # send 0 * logq = 0 * -inf = nan back to p in the entropy's gradient.
-    entropy_N = -jnp.sum(p_NxV * jnp.where(p_NxV > 0, logq_NxV, 0.0), axis=-1)
-    return target_N - lse_N, entropy_N
+    entropy_T = -jnp.sum(p_TxV * jnp.where(p_TxV > 0, logq_TxV, 0.0), axis=-1)
+    return target_T - lse_T, entropy_T
 
 
 def _temperature(temperature: float | None) -> float:
     # Temperature 0 (greedy sampling) scores tokens at temperature 1, like
-    # `gpurl.algorithms.common.token_logprobs`.
+    # `gpurl.algorithms.forward.token_logprobs`.
     return float(temperature or 1.0)
 
 
@@ -112,8 +112,8 @@ def chunked_token_logprobs(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.A
     hidden_BxTxD = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
     targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
     # Chunk axis first for scan; the swap moves only the unsharded T pieces.
-    hidden_NxBxCxD = hidden_BxTxD.reshape(b, n, c, -1).swapaxes(0, 1)
-    targets_NxBxC = targets_BxT.reshape(b, n, c).swapaxes(0, 1)
+    hidden_JxBxCxD = hidden_BxTxD.reshape(b, n, c, -1).swapaxes(0, 1)
+    targets_JxBxC = targets_BxT.reshape(b, n, c).swapaxes(0, 1)
 
     # prevent_cse=False: scan already keeps XLA from merging the recomputation away.
     @functools.partial(jax.checkpoint, prevent_cse=False)
@@ -125,9 +125,9 @@ def chunked_token_logprobs(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.A
     def body(carry: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, Any]:
         return carry, chunk(params, *xs)
 
-    _, (logp_NxBxC, entropy_NxBxC) = jax.lax.scan(body, None, (hidden_NxBxCxD, targets_NxBxC))
+    _, (logp_JxBxC, entropy_JxBxC) = jax.lax.scan(body, None, (hidden_JxBxCxD, targets_JxBxC))
 
-    def unchunk(x_NxBxC: jax.Array) -> jax.Array:
-        return x_NxBxC.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+    def unchunk(x_JxBxC: jax.Array) -> jax.Array:
+        return x_JxBxC.swapaxes(0, 1).reshape(b, n * c)[:, :t]
 
-    return unchunk(logp_NxBxC), unchunk(entropy_NxBxC)
+    return unchunk(logp_JxBxC), unchunk(entropy_JxBxC)

@@ -263,7 +263,7 @@ def _pad(x: jax.Array, axis: int, size: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def flash_attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
+def flash_attention(q_BxTxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: jax.Array,
                     q_positions_BxT: jax.Array, q_segments_BxT: jax.Array,
                     kv_positions_BxS: jax.Array, kv_segments_BxS: jax.Array, *,
                     scale: float, softcap: float | None = None, window: int | None = None,
@@ -274,26 +274,26 @@ def flash_attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.A
     Decode (T = 1) folds the G query heads of each kv head into the query axis, so a
     program owns one kv head and reads its keys once for all G heads (G x less cache
     traffic, and a 16-row block holds real work instead of 1 row and 15 padded)."""
-    b, t, h, d = q_BxTxHxD.shape
-    kh = k_BxSxKxD.shape[2]
+    b, t, h, d = q_BxTxHxE.shape
+    kh = k_BxSxKxE.shape[2]
     if t == 1 and h > kh:
         fold = lambda x: jnp.repeat(x, h // kh, axis=1)  # noqa: E731
-        q_BxGxKxD = q_BxTxHxD.reshape(b, kh, h // kh, d).swapaxes(1, 2)
-        out_BxGxKxD = flash_attention(
-            q_BxGxKxD, k_BxSxKxD, v_BxSxKxD, fold(q_positions_BxT), fold(q_segments_BxT),
+        q_BxQxKxE = q_BxTxHxE.reshape(b, kh, h // kh, d).swapaxes(1, 2)
+        out_BxQxKxE = flash_attention(
+            q_BxQxKxE, k_BxSxKxE, v_BxSxKxE, fold(q_positions_BxT), fold(q_segments_BxT),
             kv_positions_BxS, kv_segments_BxS, scale=scale, softcap=softcap, window=window,
             block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
             block_k_bwd=block_k_bwd, interpret=interpret)
-        return out_BxGxKxD.swapaxes(1, 2).reshape(b, 1, h, d)
-    s = k_BxSxKxD.shape[1]
+        return out_BxQxKxE.swapaxes(1, 2).reshape(b, 1, h, d)
+    s = k_BxSxKxE.shape[1]
     bq, bk = min(block_q, _pow2(t)), min(block_k, _pow2(s))
     bq_bwd, bk_bwd = min(block_q_bwd, bq), min(block_k_bwd, bk)
     st = Static(float(scale), None if softcap is None else float(softcap),
                 None if window is None else int(window), bq, bk, bq_bwd, bk_bwd, interpret)
     tp, sp, dp = -(-t // bq) * bq, -(-s // bk) * bk, _pow2(d)
-    q = _pad(_pad(q_BxTxHxD, 1, tp), 3, dp)
-    k = _pad(_pad(k_BxSxKxD, 1, sp), 3, dp)
-    v = _pad(_pad(v_BxSxKxD, 1, sp), 3, dp)
+    q = _pad(_pad(q_BxTxHxE, 1, tp), 3, dp)
+    k = _pad(_pad(k_BxSxKxE, 1, sp), 3, dp)
+    v = _pad(_pad(v_BxSxKxE, 1, sp), 3, dp)
     ints = lambda x, n: _pad(x.astype(jnp.int32), 1, n)  # noqa: E731
     out = _flash(q, k, v, ints(q_positions_BxT, tp), ints(q_segments_BxT, tp),
                  ints(kv_positions_BxS, sp), ints(kv_segments_BxS, sp), st)

@@ -1,73 +1,14 @@
-"""Models: one decoder, families by config; parameters travel as plain nested dicts.
+"""Models: one decoder (`transformer`), families by config (`families/`), the specs jitted
+code runs them through (`spec`, `scalar`), and their checkpoints: HF safetensors (`hf`,
+`hf_export`), GGUF (`gguf`), tokenizers, LoRA adapters.
 
-Jitted code takes the parameter pytree (`Params`, a nested dict of arrays) and merges it
-with the static graph definition inside the trace, so optimizer state, checkpoints and
-shardings all work on plain pytrees.
+The public face below; modules inside the package import each other directly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-import jax
-from flax import nnx
-
-from gpurl.config import ModelConfig
+from gpurl.models.spec import ModelSpec, Params, count_params, model_spec
 from gpurl.models.transformer import KVCache, Transformer, compute_dtype, init_cache
-
-Params = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What jitted code needs to run a model: the graph, the parameter shapes and axes."""
-
-    cfg: ModelConfig
-    graphdef: Any  # nnx.GraphDef, static under jit
-    abstract_params: Params  # jax.ShapeDtypeStruct leaves
-    logical_axes: Params  # same structure, tuple[str, ...] leaves
-
-    def apply(self, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
-              segments_BxT: jax.Array) -> jax.Array:
-        return nnx.merge(self.graphdef, params)(tokens_BxT, positions_BxT, segments_BxT)
-
-    def hidden(self, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
-               segments_BxT: jax.Array, cache: KVCache | None = None):
-        """Final-norm hidden states (and the cache with the new tokens appended)."""
-        return nnx.merge(self.graphdef, params).hidden(tokens_BxT, positions_BxT, segments_BxT, cache)
-
-    def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
-        return nnx.merge(self.graphdef, params).logits(hidden)
-
-    def init(self, seed: int) -> Params:
-        """Random parameters (call under jit with out_shardings to create them sharded)."""
-        return nnx.to_pure_dict(nnx.state(Transformer(self.cfg, rngs=nnx.Rngs(seed)), nnx.Param))
-
-
-def _nest(flat: list[tuple[tuple, Any]]) -> Params:
-    out: Params = {}
-    for path, leaf in flat:
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = leaf
-    return out
-
-
-def model_spec(cfg: ModelConfig) -> ModelSpec:
-    """Shapes and logical axes of a model without allocating its parameters."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))),
-                                nnx.Param)
-    flat = list(nnx.to_flat_state(state))
-    abstract = _nest([(path, var.get_value()) for path, var in flat])
-    axes = _nest([(path, var.get_metadata()["logical_axes"]) for path, var in flat])
-    return ModelSpec(cfg, graphdef, abstract, axes)
-
-
-def count_params(params: Params) -> int:
-    return sum(int(x.size) for x in jax.tree.leaves(params))
-
 
 __all__ = ["KVCache", "ModelSpec", "Params", "Transformer", "compute_dtype", "count_params",
            "init_cache", "model_spec"]

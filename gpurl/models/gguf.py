@@ -31,7 +31,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from gpurl.config import ConfigError, ModelConfig
-from gpurl.models import ModelSpec, Params
+from gpurl.models import families
+from gpurl.models.families import GGUFArch
+from gpurl.models.spec import ModelSpec, Params
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)  # v1 (2023) counted in 32 bits; llama.cpp itself no longer reads it
@@ -75,17 +77,17 @@ class GGUFFile:
         if cols % block or start + nbytes > len(self.buf):
             raise ConfigError(f"{self.path} is damaged (tensor {name} does not fit its type or "
                               "the file); download it again.")
-        raw_RxB = np.frombuffer(self.buf, np.uint8, nbytes, start).reshape(rows, -1)
+        raw = np.frombuffer(self.buf, np.uint8, nbytes, start).reshape(rows, -1)
         # Row chunks into one buffer: gguf-py would hold two float32 copies of the tensor, and
         # the result never aliases the read-only map (JAX may donate what it is given).
-        out_RxC = np.empty((rows, cols), np.float32)
+        out = np.empty((rows, cols), np.float32)
         step = max(1, _CHUNK_VALUES // cols)
         for row in range(0, rows, step):
             try:
-                out_RxC[row:row + step] = dequantize(raw_RxB[row:row + step], qtype)
+                out[row:row + step] = dequantize(raw[row:row + step], qtype)
             except NotImplementedError as e:
                 raise _unsupported(entry, qtype.name, self.path) from e
-        return out_RxC.reshape(entry.shape)
+        return out.reshape(entry.shape)
 
 
 def _quant_type(entry: TensorEntry, path: str) -> GGMLQuantizationType:
@@ -291,72 +293,14 @@ def _rope_scaling(m: _Meta) -> dict[str, Any]:
                       "load the model's HF safetensors checkpoint instead.")
 
 
-def _gemma_scalar(fields: dict[str, Any], big_layers: int) -> float:
-    # llama.cpp (src/llama-model.cpp, LLM_ARCH_GEMMA2/GEMMA3): the 27B models scale queries
-    # by d_model / heads, every other size by head_dim; the file does not say which.
-    if fields["num_layers"] == big_layers:
-        return fields["d_model"] / fields["num_heads"]
-    return float(fields["head_dim"])
-
-
-def _gemma(m: _Meta, fields: dict[str, Any]) -> dict[str, Any]:
-    return dict(fields, family="gemma", activation="gelu_tanh", norm_plus_one=True,
-                scale_embeddings=True, query_pre_attn_scalar=float(fields["head_dim"]))
-
-
-def _gemma2(m: _Meta, fields: dict[str, Any]) -> dict[str, Any]:
-    # Defaults from llama.cpp (llama-hparams.h, llama-model.cpp) for files that omit them.
-    return dict(_gemma(m, fields), family="gemma2", post_norms=True, global_every=2,
-                sliding_window=m.get("attention.sliding_window", 4096),
-                attn_softcap=m.get("attn_logit_softcapping", 50.0, float),
-                final_softcap=m.get("final_logit_softcapping", 30.0, float),
-                query_pre_attn_scalar=_gemma_scalar(fields, big_layers=46))
-
-
-def _gemma3(m: _Meta, fields: dict[str, Any]) -> dict[str, Any]:
-    out = dict(_gemma(m, fields), family="gemma3", post_norms=True,
-               final_softcap=m.get("final_logit_softcapping", 0.0, float) or None,
-               query_pre_attn_scalar=_gemma_scalar(fields, big_layers=62))
-    window = m.get("attention.sliding_window", 0)
-    if window:
-        # llama.cpp (src/llama-model.cpp, LLM_ARCH_GEMMA3) hard-codes the 5 local : 1
-        # global pattern and the local RoPE base 10000 (`rope_freq_base_train_swa`).
-        out.update(sliding_window=window, global_every=6,
-                   rope_local_theta=m.get("rope.freq_base_swa", 10000.0, float))
-    return out
-
-
-def _llama_like(family: str) -> Callable[[_Meta, dict[str, Any]], dict[str, Any]]:
-    def fields_of(m: _Meta, fields: dict[str, Any]) -> dict[str, Any]:
-        return dict(fields, family=family, activation="silu", norm_plus_one=False,
-                    scale_embeddings=False)
-    return fields_of
-
-
-@dataclass(frozen=True)
-class _Arch:
-    fields: Callable[[_Meta, dict[str, Any]], dict[str, Any]]
-    norm_offset: float  # llama.cpp writes Gemma's RMSNorm weight w as 1 + w
-    permuted_qk: bool  # llama.cpp reorders llama's q/k rows for its interleaved RoPE
-
-
-_ARCHS = {
-    "gemma": _Arch(_gemma, 1.0, False),
-    "gemma2": _Arch(_gemma2, 1.0, False),
-    "gemma3": _Arch(_gemma3, 1.0, False),
-    "llama": _Arch(_llama_like("llama"), 0.0, True),
-    "qwen2": _Arch(_llama_like("qwen2"), 0.0, False),
-    "qwen3": _Arch(_llama_like("qwen3"), 0.0, False),
-}
-
-
-def _arch(gguf: GGUFFile) -> _Arch:
-    arch = _ARCHS.get(gguf.architecture)
-    if arch is None:
+def _arch(gguf: GGUFFile) -> GGUFArch:
+    family = families.by_gguf_arch(gguf.architecture)
+    if family is None:
+        known = [f.gguf.name for f in families.FAMILIES.values() if f.gguf]
         raise ConfigError(
             f"{gguf.path} holds a {gguf.architecture!r} model, which gpurl cannot load; "
-            f"use a GGUF of one of: {', '.join(_ARCHS)}.")
-    return arch
+            f"use a GGUF of one of: {', '.join(known)}.")
+    return family.gguf
 
 
 def model_config_from_gguf(path: str | Path, base: ModelConfig) -> ModelConfig:
@@ -373,29 +317,54 @@ def model_config_from_gguf(path: str | Path, base: ModelConfig) -> ModelConfig:
 
 # -------------------------------------------------------------------------- parameters
 
+@dataclass(frozen=True)
+class _Layout:
+    """How a GGUF tensor (NumPy order, HF's [out, in]) becomes a gpurl parameter."""
+
+    source: Callable[[tuple[int, ...]], tuple[int, ...]]  # the GGUF shape of a parameter's shape
+    convert: Callable[[np.ndarray, tuple[int, ...], GGUFArch], np.ndarray]
+
+
+def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row order (pairs interleaved) back to HF's halves."""
+    return w.reshape(heads, -1, 2, w.shape[-1]).swapaxes(1, 2).reshape(w.shape)
+
+
+COPY = _Layout(lambda shape: shape, lambda w, shape, arch: w.reshape(shape))
+TRANSPOSE = _Layout(lambda shape: shape[::-1], lambda w, shape, arch: w.T)
+NORM = _Layout(lambda shape: shape, lambda w, shape, arch: w - arch.norm_offset)
+BIAS = _Layout(lambda shape: (math.prod(shape),), lambda w, shape, arch: w.reshape(shape))
+# q, k, v: (D, heads, E) <- (heads*E, D); llama.cpp interleaves llama's q/k rows for its RoPE
+HEADS_IN = _Layout(lambda shape: (shape[1] * shape[2], shape[0]),
+                   lambda w, shape, arch: w.T.reshape(shape))
+PERMUTED_HEADS_IN = _Layout(HEADS_IN.source, lambda w, shape, arch: (
+    _unpermute_rows(w, shape[1]) if arch.permuted_qk else w).T.reshape(shape))
+HEADS_OUT = _Layout(lambda shape: (shape[2], shape[0] * shape[1]),  # o: (H, E, D) <- (D, H*E)
+                    lambda w, shape, arch: w.T.reshape(shape))
+
 # gpurl parameter path (inside a block) -> (llama.cpp tensor name, layout)
 _BLOCK_TENSORS = {
-    ("attn_norm", "scale"): ("attn_norm.weight", "norm"),
-    ("attn", "q"): ("attn_q.weight", "heads_in"),
-    ("attn", "k"): ("attn_k.weight", "heads_in"),
-    ("attn", "v"): ("attn_v.weight", "heads_in"),
-    ("attn", "o"): ("attn_output.weight", "heads_out"),
-    ("attn", "q_bias"): ("attn_q.bias", "bias"),
-    ("attn", "k_bias"): ("attn_k.bias", "bias"),
-    ("attn", "v_bias"): ("attn_v.bias", "bias"),
-    ("attn", "q_norm", "scale"): ("attn_q_norm.weight", "norm"),
-    ("attn", "k_norm", "scale"): ("attn_k_norm.weight", "norm"),
-    ("post_attn_norm", "scale"): ("post_attention_norm.weight", "norm"),
-    ("mlp_norm", "scale"): ("ffn_norm.weight", "norm"),
-    ("mlp", "gate"): ("ffn_gate.weight", "transpose"),
-    ("mlp", "up"): ("ffn_up.weight", "transpose"),
-    ("mlp", "down"): ("ffn_down.weight", "transpose"),
-    ("post_mlp_norm", "scale"): ("post_ffw_norm.weight", "norm"),
+    ("attn_norm", "scale"): ("attn_norm.weight", NORM),
+    ("attn", "q"): ("attn_q.weight", PERMUTED_HEADS_IN),
+    ("attn", "k"): ("attn_k.weight", PERMUTED_HEADS_IN),
+    ("attn", "v"): ("attn_v.weight", HEADS_IN),
+    ("attn", "o"): ("attn_output.weight", HEADS_OUT),
+    ("attn", "q_bias"): ("attn_q.bias", BIAS),
+    ("attn", "k_bias"): ("attn_k.bias", BIAS),
+    ("attn", "v_bias"): ("attn_v.bias", BIAS),
+    ("attn", "q_norm", "scale"): ("attn_q_norm.weight", NORM),
+    ("attn", "k_norm", "scale"): ("attn_k_norm.weight", NORM),
+    ("post_attn_norm", "scale"): ("post_attention_norm.weight", NORM),
+    ("mlp_norm", "scale"): ("ffn_norm.weight", NORM),
+    ("mlp", "gate"): ("ffn_gate.weight", TRANSPOSE),
+    ("mlp", "up"): ("ffn_up.weight", TRANSPOSE),
+    ("mlp", "down"): ("ffn_down.weight", TRANSPOSE),
+    ("post_mlp_norm", "scale"): ("post_ffw_norm.weight", NORM),
 }
 _TOP_TENSORS = {
-    ("embed",): ("token_embd.weight", "copy"),
-    ("final_norm", "scale"): ("output_norm.weight", "norm"),
-    ("lm_head",): ("output.weight", "transpose"),
+    ("embed",): ("token_embd.weight", COPY),
+    ("final_norm", "scale"): ("output_norm.weight", NORM),
+    ("lm_head",): ("output.weight", TRANSPOSE),
 }
 # Written by llama.cpp but not parameters (model_config_from_gguf rejects files using it).
 _NOT_PARAMS = {"rope_freqs.weight"}
@@ -404,36 +373,7 @@ _NOT_PARAMS = {"rope_freqs.weight"}
 _FIX = "let model_config_from_gguf set the architecture (do not override it)"
 
 
-def _source_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The NumPy-order GGUF shape that becomes a gpurl parameter of `shape`."""
-    if layout == "heads_in":  # (D, N, E) <- (N*E, D)
-        return (shape[1] * shape[2], shape[0])
-    if layout == "heads_out":  # (H, E, D) <- (D, H*E)
-        return (shape[2], shape[0] * shape[1])
-    if layout == "bias":
-        return (math.prod(shape),)
-    return shape[::-1] if layout == "transpose" else shape
-
-
-def _unpermute_rows(w_RxD: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's per-head row order (pairs interleaved) back to HF's halves."""
-    return w_RxD.reshape(heads, -1, 2, w_RxD.shape[-1]).swapaxes(1, 2).reshape(w_RxD.shape)
-
-
-def _to_layout(w: np.ndarray, layout: str, shape: tuple[int, ...], arch: _Arch,
-               name: str) -> np.ndarray:
-    if arch.permuted_qk and layout == "heads_in" and ("attn_q." in name or "attn_k." in name):
-        w = _unpermute_rows(w, shape[1])
-    if layout in ("heads_in", "heads_out"):
-        return w.T.reshape(shape)
-    if layout == "transpose":
-        return w.T
-    if layout == "norm":
-        return w - arch.norm_offset
-    return w.reshape(shape)
-
-
-def _tensor_for(path: tuple[Any, ...]) -> tuple[str, str]:
+def _tensor_for(path: tuple[Any, ...]) -> tuple[str, _Layout]:
     if path[0] == "blocks" and path[2:] in _BLOCK_TENSORS:
         name, layout = _BLOCK_TENSORS[path[2:]]
         return f"blk.{path[1]}.{name}", layout
@@ -443,14 +383,14 @@ def _tensor_for(path: tuple[Any, ...]) -> tuple[str, str]:
                       f"maps to; {_FIX}.")
 
 
-def _plan(gguf: GGUFFile, abstract: Params) -> list[tuple[str, str]]:
+def _plan(gguf: GGUFFile, abstract: Params) -> list[tuple[str, _Layout]]:
     """(tensor, layout) per leaf in flatten order, all checked before any tensor is read."""
     plan = []
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in key_path)
         param = ".".join(map(str, path))
         name, layout = _tensor_for(path)
-        entry, want = gguf.tensors.get(name), _source_shape(layout, leaf.shape)
+        entry, want = gguf.tensors.get(name), layout.source(leaf.shape)
         if entry is None:
             raise ConfigError(f"{gguf.path} has no tensor {name} for the parameter {param}; "
                               f"{_FIX}.")
@@ -478,7 +418,7 @@ def load_gguf_params(path: str | Path, spec: ModelSpec, shardings: Any) -> Param
     leaves, treedef = jax.tree_util.tree_flatten(spec.abstract_params)
     arrays = []
     for (name, layout), abstract, sharding in zip(plan, leaves, treedef.flatten_up_to(shardings)):
-        w = _to_layout(gguf.tensor(name), layout, abstract.shape, arch, name)
+        w = layout.convert(gguf.tensor(name), abstract.shape, arch)
         host = np.ascontiguousarray(w, dtype=abstract.dtype)
         arrays.append(
             jax.make_array_from_callback(abstract.shape, sharding, lambda i, h=host: h[i]))

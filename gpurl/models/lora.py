@@ -20,7 +20,6 @@ import dataclasses
 import fnmatch
 import math
 import re
-from pathlib import Path
 from typing import Any, Iterator
 
 import jax
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gpurl.config import ConfigError, LoraConfig, ModelConfig, OptimConfig
-from gpurl.train.optim import param_path
+from gpurl.models.paths import param_path
 
 SUFFIX = "_lora"  # "q" is adapted by "q_lora": {"a": in x r, "b": r x out}
 # (module, weight) -> how many leading axes of the weight are its input
@@ -162,7 +161,7 @@ def strip(params: Any) -> Any:
     return {k: strip(v) for k, v in params.items() if not str(k).endswith(SUFFIX)}
 
 
-def _get(tree: Any, path: str) -> Any:
+def node_at(tree: Any, path: str) -> Any:
     for key in path.split("/"):
         tree = tree[int(key) if key.isdigit() else key]  # layer indices are int keys
     return tree
@@ -178,8 +177,8 @@ def merged(params: Any, cfg: ModelConfig) -> Any:
         base = strip(params)
         for path in paths:
             *parents, name = path.split("/")
-            owner = _get(base, "/".join(parents))
-            adapter = _get(params, "/".join(parents))[name + SUFFIX]
+            owner = node_at(base, "/".join(parents))
+            adapter = node_at(params, "/".join(parents))[name + SUFFIX]
             w = owner[name]
             delta = jnp.tensordot(adapter["a"].astype(jnp.float32),
                                   adapter["b"].astype(jnp.float32), axes=1)
@@ -221,62 +220,3 @@ def disabled(params: Any) -> Any:
         is_b = len(keys) > 1 and keys[-2].endswith(SUFFIX) and keys[-1] == "b"
         return jnp.zeros_like(x) if is_b else x
     return jax.tree_util.tree_map_with_path(zero_b, params)
-
-
-# ---------------------------------------------------------------------------- PEFT export
-
-def _peft_targets(cfg: ModelConfig, names: list[str]) -> list[str] | str:
-    """PEFT's target_modules: short names ("q_proj") when every layer is adapted alike,
-    else a regex PEFT full-matches against module names."""
-    short = sorted({n.rsplit(".", 1)[-1] for n in names})
-    if len(names) == len(short) * cfg.num_layers:
-        return short
-    return "|".join(re.escape(n) for n in names)
-
-
-def export_peft(params: Any, cfg: ModelConfig, out_dir: str | Path,
-                base_model: str | None = None) -> Path:
-    """The adapters alone in PEFT's layout (adapter_config.json, adapter_model.safetensors),
-    loadable with `peft.PeftModel.from_pretrained` on the HF export of the base. Every
-    process must call it (sharded arrays are gathered); process 0 writes."""
-    import json
-
-    import numpy as np
-
-    from gpurl.models.hf import hf_layout
-    from gpurl.models.hf_export import _host
-    from gpurl.models.safetensors_io import write_tensors
-
-    hf_names = {"/".join(map(str, t.path)): t.name.removesuffix(".weight") for t in hf_layout(cfg)}
-    entries, sources, modules = [], [], []
-    for path in target_paths(cfg):
-        *parents, name = path.split("/")
-        adapter = _get(params, "/".join(parents))[name + SUFFIX]
-        module = hf_names[path]
-        modules.append(module)
-        in_ndim = PROJECTIONS[parents[-1], name]
-        # Ours: A (*in, r), B (r, *out), delta = A @ B (in x out). PEFT's nn.Linear weights
-        # are out x in: lora_A (r, in), lora_B (out, r), delta^T = lora_B @ lora_A.
-        for part, leaf in (("lora_A", adapter["a"]), ("lora_B", adapter["b"])):
-            rows = math.prod(leaf.shape[:in_ndim]) if part == "lora_A" else leaf.shape[0]
-            entries.append((f"base_model.model.{module}.{part}.weight", np.dtype(leaf.dtype),
-                            (leaf.size // rows, rows)))
-            sources.append(leaf)
-
-    def fetch(i: int) -> np.ndarray:
-        return _host(sources[i]).reshape(entries[i][2][::-1]).T
-
-    out = Path(out_dir)
-    writer = jax.process_index() == 0
-    if writer:
-        out.mkdir(parents=True, exist_ok=True)
-    write_tensors(out / "adapter_model.safetensors" if writer else None, entries, fetch,
-                  {"format": "pt"})
-    if writer:
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank,
-                  "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
-                  "target_modules": _peft_targets(cfg, modules), "bias": "none",
-                  "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
-                  "base_model_name_or_path": base_model}
-        (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out

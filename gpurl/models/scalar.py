@@ -19,14 +19,18 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpurl.config import ConfigError, ModelConfig
-from gpurl.models import ModelSpec, Params, model_spec
+from gpurl.config import ConfigError, CriticBackbone, ModelConfig
+from gpurl.models import families
+from gpurl.models.hf import load_hf_params
+from gpurl.models.hf_export import export_hf
+from gpurl.models.safetensors_io import open_checkpoint
+from gpurl.models.spec import LoadLM, ModelSpec, Params, model_spec
 
 
 def backbone_config(cfg: ModelConfig) -> ModelConfig:
@@ -58,6 +62,20 @@ class ScalarSpec:
         # Zero head: a fresh critic predicts 0 and a fresh reward model ties every pair.
         return {"backbone": self.base.init(seed), "score": jnp.zeros((self.cfg.d_model,), jnp.float32)}
 
+    @property
+    def policy(self) -> None:
+        """A scalar model has no language model that generates text."""
+        return None
+
+    def policy_params(self, params: Params) -> Params:
+        raise ValueError("a scalar model holds no language model")
+
+    def initial(self, shardings: Params, load_lm: LoadLM) -> Params | None:
+        """The checkpoint's decoder as the backbone, with a zero head; None: random init."""
+        backbone = load_lm(self.cfg, self.base, shardings["backbone"])
+        return None if backbone is None else {
+            "backbone": backbone, "score": _zeros(shardings["score"], self.cfg.d_model)}
+
 
 def scalar_spec(cfg: ModelConfig) -> ScalarSpec:
     return ScalarSpec(model_spec(backbone_config(cfg)))
@@ -81,6 +99,26 @@ class ActorCriticSpec:
     policy: ModelSpec
     critic: ScalarSpec
     shared: bool  # the critic is a score vector on the policy's backbone
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, backbone: CriticBackbone) -> ActorCriticSpec:
+        """The policy `cfg` with a critic on its own or on the policy's backbone."""
+        return cls(model_spec(cfg), scalar_spec(cfg), shared=backbone == CriticBackbone.SHARED)
+
+    def policy_params(self, params: Params) -> Params:
+        return params["policy"]
+
+    def initial(self, shardings: Params, load_lm: LoadLM) -> Params | None:
+        """The checkpoint as the policy; the critic a copy of its backbone with a zero head."""
+        policy = load_lm(self.cfg, self.policy, shardings["policy"])
+        if policy is None:
+            return None
+        critic = {"score": _zeros(shardings["critic"]["score"], self.cfg.d_model)}
+        if not self.shared:  # a copy: the train state donates both trees
+            critic["backbone"] = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                                         out_shardings=shardings["critic"]["backbone"])(
+                backbone_of(policy))
+        return {"policy": policy, "critic": critic}
 
     @property
     def cfg(self) -> ModelConfig:
@@ -107,19 +145,10 @@ class ActorCriticSpec:
         return {"policy": policy, "critic": critic}
 
 
-def classifier_architecture(architecture: str) -> str:
-    """transformers' sequence-classification class of a causal-LM architecture."""
-    if architecture == "Gemma3ForCausalLM":  # model_type gemma3_text
-        return "Gemma3TextForSequenceClassification"
-    return architecture.replace("ForCausalLM", "ForSequenceClassification")
-
-
 def export_scalar_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
                      tokenizer_dir: str | Path | None = None) -> Path:
     """A scalar model as an HF `...ForSequenceClassification` directory (num_labels 1).
     Every process must call it; process 0 writes."""
-    from gpurl.models.hf_export import export_hf
-
     score = np.asarray(jax.device_get(params["score"]), np.float32).reshape(1, -1)
     out = export_hf(params["backbone"], backbone_config(cfg), out_dir, tokenizer_dir,
                     extra={"score.weight": score})
@@ -127,7 +156,7 @@ def export_scalar_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
         return out
     config_file = out / "config.json"
     hf = json.loads(config_file.read_text())
-    hf.update(architectures=[classifier_architecture(hf["architectures"][0])], num_labels=1,
+    hf.update(architectures=[families.get(cfg.family).hf.classifier_architecture], num_labels=1,
               tie_word_embeddings=cfg.tie_embeddings)
     hf.setdefault("pad_token_id", 0)
     config_file.write_text(json.dumps(hf, indent=2) + "\n")
@@ -136,9 +165,6 @@ def export_scalar_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
 
 def load_scalar_hf(path: str | Path, spec: ScalarSpec, shardings: Params) -> Params:
     """A reward model from an HF `...ForSequenceClassification` directory (one label)."""
-    from gpurl.models.hf import load_hf_params
-    from gpurl.models.safetensors_io import open_checkpoint
-
     tensors = open_checkpoint(Path(path))
     score = tensors.get("score.weight")
     if score is None or score.shape[0] != 1 or score.shape[-1] != spec.cfg.d_model:
@@ -152,61 +178,5 @@ def load_scalar_hf(path: str | Path, spec: ScalarSpec, shardings: Params) -> Par
     return {"backbone": backbone, "score": jax.device_put(score_D, shardings["score"])}
 
 
-def load_initial(spec: Any, shardings: Params, load_lm: Callable[..., Params | None]) -> Params | None:
-    """Initial parameters of any trained tree from the run's checkpoint, each placed on its
-    shards; None for a random init. `load_lm(model_cfg, model_spec, shardings)` loads a
-    language model (`gpurl.models.loading.load_params`). A critic starts as a copy of the
-    policy's backbone with a zero head; a reward model as the checkpoint's backbone."""
-    if isinstance(spec, ScalarSpec):
-        backbone = load_lm(spec.cfg, spec.base, shardings["backbone"])
-        return None if backbone is None else {
-            "backbone": backbone, "score": _zeros(shardings["score"], spec.cfg.d_model)}
-    if not isinstance(spec, ActorCriticSpec):
-        return load_lm(spec.cfg, spec, shardings)
-    policy = load_lm(spec.cfg, spec.policy, shardings["policy"])
-    if policy is None:
-        return None
-    critic = {"score": _zeros(shardings["critic"]["score"], spec.cfg.d_model)}
-    if not spec.shared:  # a copy: the train state donates both trees
-        critic["backbone"] = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
-                                     out_shardings=shardings["critic"]["backbone"])(
-            backbone_of(policy))
-    return {"policy": policy, "critic": critic}
-
-
 def _zeros(sharding: Any, d: int) -> jax.Array:
     return jax.device_put(np.zeros((d,), np.float32), sharding)
-
-
-def initial_policy(spec: Any, shardings: Params, seed: int,
-                   load_lm: Callable[..., Params | None]) -> Params:
-    """The language model's initial parameters (the frozen reference), loaded or drawn from
-    `seed` like the train state's, without building a train state (optimizer moments)."""
-    policy = spec.policy if isinstance(spec, ActorCriticSpec) else spec
-    if isinstance(spec, ActorCriticSpec):
-        shardings = shardings["policy"]
-    loaded = load_lm(policy.cfg, policy, shardings)
-    if loaded is not None:
-        return loaded
-    return jax.jit(lambda: policy.init(seed), out_shardings=shardings)()
-
-
-def load_reward_model(path: str, policy_cfg: ModelConfig, mesh: Any,
-                      rules: Any) -> tuple[ScalarSpec, Params]:
-    """`algo.reward_model`: an HF sequence-classification directory, placed on the trainer
-    mesh (frozen). Its vocabulary must be the policy's: it scores the policy's tokens."""
-    from gpurl.distributed.mesh import tree_shardings
-    from gpurl.models.hf import model_config_from_hf
-
-    if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"algo.reward_model={path} is not an HF directory with config.json; "
-                          f"export an algo=rm run with `gpurl export checkpoint=RUN_DIR out=DIR` "
-                          f"and point algo.reward_model at DIR.")
-    cfg = model_config_from_hf(path, dataclasses.replace(policy_cfg, checkpoint=path))
-    if cfg.vocab_size != policy_cfg.vocab_size:
-        raise ConfigError(f"algo.reward_model={path} has a vocabulary of {cfg.vocab_size} tokens "
-                          f"but the policy's has {policy_cfg.vocab_size}; train the reward model "
-                          f"from the policy's base model (algo=rm) so both read the same tokens.")
-    spec = scalar_spec(cfg)
-    shardings = tree_shardings(spec.abstract_params, spec.logical_axes, rules, mesh)
-    return spec, load_scalar_hf(path, spec, shardings)

@@ -15,8 +15,8 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from gpurl.config import ConfigError, ModelConfig
-from gpurl.data.chat import DEFAULT_CHAT_TEMPLATE, render_chat_template
+from gpurl.config import ConfigError
+from gpurl.models.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat_template
 
 # Same convention as Gemma (pad 0, eos 1, bos 2), so id-level code is tested on the real one.
 BYTE_SPECIALS = ("<pad>", "<eos>", "<bos>")
@@ -61,9 +61,9 @@ class Tokenizer:
         Out-of-vocabulary ids occur when the model's embedding is larger than the
         tokenizer (model.vocab_size > vocab_size) and a sampler picks one of the extra rows.
         """
-        ids_N = np.asarray(ids, dtype=np.int64).reshape(-1)
-        ids_N = ids_N[(ids_N >= 0) & (ids_N < self.vocab_size)]
-        return self.tok.decode(ids_N.tolist(), skip_special_tokens=True)
+        ids_T = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids_T = ids_T[(ids_T >= 0) & (ids_T < self.vocab_size)]
+        return self.tok.decode(ids_T.tolist(), skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """Render a conversation to text with this tokenizer's chat template."""
@@ -104,25 +104,6 @@ def _bytes_to_unicode() -> list[str]:
             chars.append(chr(256 + extra))
             extra += 1
     return chars
-
-
-def load_tokenizer(cfg: ModelConfig) -> Tokenizer:
-    """The tokenizer `cfg.tokenizer` names: `bytes`, a tokenizer.json (file or directory),
-    or `auto`: the checkpoint's own (tokenizer.json beside it, or rebuilt from GGUF
-    metadata), and the byte tokenizer for a randomly initialized model."""
-    if cfg.tokenizer == "auto":
-        from gpurl.models.loading import checkpoint_tokenizer  # loading imports this module
-
-        tokenizer = checkpoint_tokenizer(cfg) or byte_tokenizer()
-    elif cfg.tokenizer == "bytes":
-        tokenizer = byte_tokenizer()
-    else:
-        tokenizer = load_tokenizer_json(cfg.tokenizer)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ConfigError(
-            f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
-            f"{cfg.vocab_size}; set model.vocab_size to at least {tokenizer.vocab_size}.")
-    return tokenizer
 
 
 def load_tokenizer_json(path_str: str) -> Tokenizer:

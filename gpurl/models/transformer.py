@@ -59,34 +59,35 @@ def rope_frequencies(cfg: ModelConfig, is_global: bool) -> np.ndarray:
     """Inverse frequencies theta^(-2i/d) of one layer, with the layer's base and scaling
     (computed in float64 on the host, then rounded once to float32)."""
     theta = cfg.rope_theta if is_global or cfg.rope_local_theta is None else cfg.rope_local_theta
-    inv_freq_F = 1.0 / theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
+    inv_freq_R = 1.0 / theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
     if is_global and cfg.rope_scaling == "linear":  # position interpolation (Chen et al. 2023, eq. 4)
-        inv_freq_F = inv_freq_F / cfg.rope_scaling_factor
+        inv_freq_R = inv_freq_R / cfg.rope_scaling_factor
     elif is_global and cfg.rope_scaling == "llama3":
-        inv_freq_F = _llama3_scaling(inv_freq_F, cfg)
-    return inv_freq_F.astype(np.float32)
+        inv_freq_R = _llama3_scaling(inv_freq_R, cfg)
+    return inv_freq_R.astype(np.float32)
 
 
-def _llama3_scaling(inv_freq_F: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+def _llama3_scaling(inv_freq_R: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """Llama 3.1 RoPE scaling (Meta's reference code for Llama 3.1): long wavelengths are
     divided by `factor`, short ones kept, the band between interpolated smoothly."""
     factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    wavelen_F = 2 * math.pi / inv_freq_F
+    wavelen_R = 2 * math.pi / inv_freq_R
     low_wavelen, high_wavelen = cfg.rope_original_max_len / low, cfg.rope_original_max_len / high
-    smooth_F = (cfg.rope_original_max_len / wavelen_F - low) / (high - low)
-    smoothed_F = (1 - smooth_F) * inv_freq_F / factor + smooth_F * inv_freq_F
-    out_F = np.where(wavelen_F > low_wavelen, inv_freq_F / factor, inv_freq_F)
-    medium_F = (wavelen_F >= high_wavelen) & (wavelen_F <= low_wavelen)
-    return np.where(medium_F, smoothed_F, out_F)
+    smooth_R = (cfg.rope_original_max_len / wavelen_R - low) / (high - low)
+    smoothed_R = (1 - smooth_R) * inv_freq_R / factor + smooth_R * inv_freq_R
+    out_R = np.where(wavelen_R > low_wavelen, inv_freq_R / factor, inv_freq_R)
+    medium_R = (wavelen_R >= high_wavelen) & (wavelen_R <= low_wavelen)
+    return np.where(medium_R, smoothed_R, out_R)
 
 
-def rope(x_BxTxNxD: jax.Array, positions_BxT: jax.Array, inv_freq_F: jax.Array) -> jax.Array:
-    """Rotary embedding (Su et al. 2021, RoFormer, eq. 34), half-split layout as in HF."""
-    angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq_F
-    sin, cos = jnp.sin(angles_BxTxF)[:, :, None, :], jnp.cos(angles_BxTxF)[:, :, None, :]
-    x1, x2 = jnp.split(x_BxTxNxD.astype(jnp.float32), 2, axis=-1)
+def rope(x: jax.Array, positions_BxT: jax.Array, inv_freq_R: jax.Array) -> jax.Array:
+    """Rotary embedding (Su et al. 2021, RoFormer, eq. 34), half-split layout as in HF, of
+    queries or keys `x` (B x T x heads x E)."""
+    angles_BxTxR = positions_BxT[..., None].astype(jnp.float32) * inv_freq_R
+    sin, cos = jnp.sin(angles_BxTxR)[:, :, None, :], jnp.cos(angles_BxTxR)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxTxNxD.dtype)
+    return out.astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -123,9 +124,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
                  cache: LayerCache | None = None) -> tuple[jax.Array, LayerCache | None]:
-        inv_freq_F = jnp.asarray(rope_frequencies(*self.rope_key))
-        q_BxTxHxE = rope(self._project(x_BxTxD, "q"), positions_BxT, inv_freq_F)
-        k_BxTxKxE = rope(self._project(x_BxTxD, "k"), positions_BxT, inv_freq_F)
+        inv_freq_R = jnp.asarray(rope_frequencies(*self.rope_key))
+        q_BxTxHxE = rope(self._project(x_BxTxD, "q"), positions_BxT, inv_freq_R)
+        k_BxTxKxE = rope(self._project(x_BxTxD, "k"), positions_BxT, inv_freq_R)
         v_BxTxKxE = self._project(x_BxTxD, "v")
         if cache is None:
             keys, values, kv_pos, kv_seg = k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT

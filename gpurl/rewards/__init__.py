@@ -5,7 +5,7 @@ metadata field of the data rows (e.g. `answer`), a list of values — and return
 per completion. Several functions combine as a weighted sum.
 
 A function that raises, returns the wrong number of values or runs past its timeout
-either stops the run (`rewards_on_error=stop`: `RewardError` naming it and the row) or
+either stops the run (`rewards.on_error=stop`: `RewardError` naming it and the row) or
 scores the rows it failed on 0 (`zero`; they are counted). The timeout runs the function
 in a daemon thread and stops waiting for it; Python cannot kill a thread, so a hung call
 keeps its thread (and whatever it holds) until it returns or the process exits.
@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from gpurl.config import ConfigError
+from gpurl.config import ConfigError, RewardsConfig
 from gpurl.rewards.builtin import BUILTIN
 
 RewardFn = Callable[..., Sequence[float]]
@@ -62,17 +62,23 @@ class Reward:
 
 def load(names: Sequence[str], weights: Sequence[float] | None = None, on_error: str = "stop",
          timeout_s: float = 60.0) -> list[Reward]:
-    """The functions `names`, with the run's failure policy (the defaults of `Config`'s
-    rewards_on_error and reward_timeout_s, which `gpurl eval` uses too)."""
+    """The functions `names`, with a failure policy (the defaults are `RewardsConfig`'s)."""
     weights = list(weights) if weights else [1.0] * len(names)
     if len(weights) != len(names):
         raise ConfigError(f"{len(names)} reward functions but {len(weights)} reward weights; "
                           f"give one weight per function.")
     if on_error not in ON_ERROR:
-        raise ConfigError(f"rewards_on_error={on_error!r} is not valid; use one of: "
+        raise ConfigError(f"rewards.on_error={on_error!r} is not valid; use one of: "
                           f"{', '.join(ON_ERROR)}.")
     return [Reward(n, resolve(n), float(w), on_error, float(timeout_s))
             for n, w in zip(names, weights)]
+
+
+def from_config(cfg: RewardsConfig, default: Sequence[str]) -> list[Reward]:
+    """The functions `cfg` names (`default`, the data's, when it names none), with its
+    weights and failure policy: the one way train, eval and task evaluation load rewards."""
+    return load(list(cfg.functions) or list(default), cfg.weights or None, cfg.on_error,
+                cfg.timeout_s)
 
 
 class Scores(NamedTuple):
@@ -156,9 +162,9 @@ def _score_one(reward: Reward, prompts: list[str], completions: list[str],
         if reward.on_error == "zero":
             return np.zeros(n), np.ones(n, bool)  # rows one by one could wait n timeouts
         raise RewardError(
-            f"reward function {reward.name!r} did not return within reward_timeout_s="
+            f"reward function {reward.name!r} did not return within rewards.timeout_s="
             f"{reward.timeout_s:g} s on rows {first_row}..{first_row + n - 1}; fix the function, "
-            f"raise reward_timeout_s, or set rewards_on_error=zero to score such rows 0.") from None
+            f"raise rewards.timeout_s, or set rewards.on_error=zero to score such rows 0.") from None
     except _WrongShape as e:
         if reward.on_error == "zero":
             return np.zeros(n), np.ones(n, bool)
@@ -170,7 +176,7 @@ def _score_one(reward: Reward, prompts: list[str], completions: list[str],
         row = _failing_row(reward, prompts, completions, metadata)
         where = f" on row {first_row + row}" if row is not None else ""
         raise RewardError(f"reward function {reward.name!r} raised {type(e).__name__}: {e}"
-                          f"{where}; fix the function or the data (or set rewards_on_error=zero "
+                          f"{where}; fix the function or the data (or set rewards.on_error=zero "
                           f"to score such rows 0).") from e
 
 

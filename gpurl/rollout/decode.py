@@ -50,8 +50,8 @@ def local_completions(rollout: Rollout, tokenizer: Tokenizer, stop: Sequence[str
     lengths = dict(local_rows(rollout.lengths))
     logprobs = dict(local_rows(rollout.logprobs))
     out = {}
-    for start, tokens_RxN in local_rows(rollout.tokens):
-        for r, (row, length) in enumerate(zip(tokens_RxN, lengths[start])):
+    for start, tokens_BxN in local_rows(rollout.tokens):
+        for r, (row, length) in enumerate(zip(tokens_BxN, lengths[start])):
             if start + r < num_rows:
                 text = truncate(tokenizer.decode(row[:length]), stop)
                 out[start + r] = (text, int(length), float(logprobs[start][r, :length].sum()))

@@ -10,7 +10,7 @@ prefilled once per run and the KV cache is repeated: with G = 8 on the real Gemm
 
 Log-probabilities are those of the distribution sampled from before top-k/top-p
 truncation: log_softmax(logits / temperature), or log_softmax(logits) when greedy;
-`gpurl.algorithms.common.token_logprobs` computes the same with the training forward pass.
+`gpurl.algorithms.forward.token_logprobs` computes the same with the training forward pass.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.config import ConfigError, RolloutConfig
 from gpurl.distributed.mesh import Rules, replicated, tree_shardings
-from gpurl.models import ModelSpec, Params, init_cache
+from gpurl.models.spec import ModelSpec, Params
+from gpurl.models.transformer import init_cache
 from gpurl.rollout.sampling import sample
 
 MIN_PROMPT_BUCKET = 16
@@ -114,18 +116,16 @@ class Sampler:
         return Prepared(tuple(jax.make_array_from_process_local_data(self.rows, x)
                               for x in (tokens, lengths, seeds_np)), self._group(tokens, lengths))
 
-    def _group(self, tokens_BxP: np.ndarray, lengths_B: np.ndarray) -> int:
+    def _group(self, tokens_BxW: np.ndarray, lengths_B: np.ndarray) -> int:
         """The longest run of identical prompts that every run of rows repeats: a divisor of
         each data shard's rows (so runs never straddle shards), agreed by all processes."""
         shard_rows = len(lengths_B) // max(self.mesh.shape["data"] // jax.process_count(), 1)
         group = 1
         for g in range(shard_rows, 1, -1):
-            if shard_rows % g == 0 and _runs_of(tokens_BxP, lengths_B, g):
+            if shard_rows % g == 0 and _runs_of(tokens_BxW, lengths_B, g):
                 group = g
                 break
         if jax.process_count() > 1:  # one program shape for every process
-            from jax.experimental import multihost_utils
-
             group = int(np.gcd.reduce(multihost_utils.process_allgather(np.int32(group))))
         return group
 
@@ -148,8 +148,6 @@ class Sampler:
             raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts; give one seed per prompt.")
         longest = max(len(p) for p in prompts)
         if jax.process_count() > 1:  # every process must pick the same shapes
-            from jax.experimental import multihost_utils
-
             longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
         if width is not None and longest > width:
             raise ConfigError(f"a prompt has {longest} tokens, more than the {width} allowed; "
@@ -171,42 +169,42 @@ class Sampler:
                        out_shardings=Rollout(self.rows, self.rows, self.rows))
 
 
-def _runs_of(tokens_BxP: np.ndarray, lengths_B: np.ndarray, g: int) -> bool:
+def _runs_of(tokens_BxW: np.ndarray, lengths_B: np.ndarray, g: int) -> bool:
     """Whether rows come in runs of `g` identical prompts (same tokens and length)."""
-    first_RxP, first_R = tokens_BxP[::g], lengths_B[::g]
-    return bool((tokens_BxP.reshape(len(first_R), g, -1) == first_RxP[:, None]).all()
-                and (lengths_B.reshape(-1, g) == first_R[:, None]).all())
+    first_PxW, first_P = tokens_BxW[::g], lengths_B[::g]
+    return bool((tokens_BxW.reshape(len(first_P), g, -1) == first_PxW[:, None]).all()
+                and (lengths_B.reshape(-1, g) == first_P[:, None]).all())
 
 
 def _prefill(spec: ModelSpec, static: _Static, rows: NamedSharding, params: Params,
-             prompt_BxP: jax.Array, prompt_len_B: jax.Array, length: int):
+             prompt_BxW: jax.Array, prompt_len_B: jax.Array, length: int):
     """(first-token logits B x V, KV cache of B rows over `length` positions). Runs of
     `static.group` identical prompts are prefilled once and their cache rows repeated."""
-    b, p = prompt_BxP.shape
+    b, p = prompt_BxW.shape
     g = static.group
-    positions_RxP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b // g, p))
-    segments_RxP = (positions_RxP < prompt_len_B[::g, None]).astype(jnp.int32)
+    positions_PxW = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b // g, p))
+    segments_PxW = (positions_PxW < prompt_len_B[::g, None]).astype(jnp.int32)
     cache = init_cache(spec.cfg, b // g, length)
     if g == 1:
         cache = jax.lax.with_sharding_constraint(cache, _cache_shardings(cache, rows))
-    hidden_RxPxD, cache = spec.hidden(params, prompt_BxP[::g], positions_RxP, segments_RxP, cache)
-    last_RxD = jnp.take_along_axis(hidden_RxPxD, (prompt_len_B[::g] - 1)[:, None, None],
+    hidden_PxWxD, cache = spec.hidden(params, prompt_BxW[::g], positions_PxW, segments_PxW, cache)
+    last_PxD = jnp.take_along_axis(hidden_PxWxD, (prompt_len_B[::g] - 1)[:, None, None],
                                    axis=1)[:, 0]
-    logits_RxV = spec.logits(params, last_RxD)
+    logits_PxV = spec.logits(params, last_PxD)
     if g == 1:
-        return logits_RxV, cache
+        return logits_PxV, cache
     cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
     cache = jax.lax.with_sharding_constraint(cache, _cache_shardings(cache, rows))
-    return jnp.repeat(logits_RxV, g, axis=0), cache
+    return jnp.repeat(logits_PxV, g, axis=0), cache
 
 
 def _generate(spec: ModelSpec, static: _Static, rows: NamedSharding, params: Params,
-              prompt_BxP: jax.Array, prompt_len_B: jax.Array, seeds_B: jax.Array) -> Rollout:
-    b, p = prompt_BxP.shape
+              prompt_BxW: jax.Array, prompt_len_B: jax.Array, seeds_B: jax.Array) -> Rollout:
+    b, p = prompt_BxW.shape
     n = static.max_new_tokens
-    logits_BxV, cache = _prefill(spec, static, rows, params, prompt_BxP, prompt_len_B, p + n)
+    logits_BxV, cache = _prefill(spec, static, rows, params, prompt_BxW, prompt_len_B, p + n)
     keys_B = jax.vmap(jax.random.key)(seeds_B)
-    stop_S = jnp.asarray(static.stop_ids or (-1,), jnp.int32)
+    stop_ids = jnp.asarray(static.stop_ids or (-1,), jnp.int32)
 
     def pick(logits_BxV, t):
         tok_B, lp_B = sample(logits_BxV, jax.vmap(jax.random.fold_in, (0, None))(keys_B, t),
@@ -216,7 +214,7 @@ def _generate(spec: ModelSpec, static: _Static, rows: NamedSharding, params: Par
     tok_B, lp_B = pick(logits_BxV, 0)
     out_tokens = jnp.full((b, n), static.pad_id, jnp.int32).at[:, 0].set(tok_B)
     out_lp = jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp_B)
-    state = (cache, tok_B, jnp.int32(1), jnp.isin(tok_B, stop_S), jnp.ones(b, jnp.int32),
+    state = (cache, tok_B, jnp.int32(1), jnp.isin(tok_B, stop_ids), jnp.ones(b, jnp.int32),
              out_tokens, out_lp)
 
     def cond(state):
@@ -233,7 +231,7 @@ def _generate(spec: ModelSpec, static: _Static, rows: NamedSharding, params: Par
         out_tokens = jax.lax.dynamic_update_slice(out_tokens, tok_B[:, None], (0, t))
         out_lp = jax.lax.dynamic_update_slice(out_lp, jnp.where(done_B, 0.0, lp_B)[:, None], (0, t))
         length_B = length_B + (~done_B).astype(jnp.int32)
-        done_B = done_B | jnp.isin(tok_B, stop_S)
+        done_B = done_B | jnp.isin(tok_B, stop_ids)
         return cache, tok_B, t + 1, done_B, length_B, out_tokens, out_lp
 
     _, _, _, _, length_B, out_tokens, out_lp = jax.lax.while_loop(cond, body, state)

@@ -1,8 +1,9 @@
 """The one training loop shared by every algorithm.
 
-It builds the mesh, data, model and optimizer from the frozen config, restores the
-newest checkpoint in `run.dir` if there is one (parameters, optimizer, RNG and the data
-position, which is a pure function of the step), then runs jitted steps, evaluating and
+It builds the mesh, model, optimizer and train step from the frozen config, and the
+stepper of the algorithm's family (SFT, RL, preference: `STEPPERS`), restores the newest
+checkpoint in `run.dir` if there is one (parameters, optimizer, RNG and the data
+position, which is a pure function of the step), then runs the steps, evaluating and
 checkpointing on their cadences. The host reads step N's metrics after dispatching
 step N+1 so the device never waits on logging.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import resource
 import signal
 import time
 from pathlib import Path
@@ -18,24 +20,28 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import yaml
 
-from gpurl import algorithms
+from gpurl.algorithms import registry
+from gpurl.algorithms.registry import Family
 from gpurl.config import Config, ConfigError, to_dict
-from gpurl.data.batching import eval_batches, process_rows, step_indices, take
-from gpurl.data.sft import TokenRows, encode_sft
-from gpurl.data.sources import load_examples
 from gpurl.distributed import runtime
-from gpurl.distributed.mesh import batch_divisor, placement_devices, trainer_mesh
+from gpurl.distributed.mesh import batch_divisor, trainer_mesh
 from gpurl.models import count_params, loading
-from gpurl.models.scalar import load_initial
-from gpurl.models.tokenizer import load_tokenizer
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.metrics import MetricsSink
-from gpurl.train.optim import lr_schedule, make_train_optimizer
-from gpurl.train.step import (NonFiniteError, Placement, checkpointed, complete, make_eval_step,
-                              make_init, make_train_step, placement)
+from gpurl.train.optim import lr_schedule, train_optimizer
+from gpurl.train.plots import write_curves
+from gpurl.train.preference import PreferenceStepper
+from gpurl.train.rl import RLStepper
+from gpurl.train.sft import SFTStepper
+from gpurl.train.step import (NonFiniteError, Placement, checkpointed, complete, make_init,
+                              make_train_step, placement)
+from gpurl.train.stepper import Setup, Stepper
+from gpurl.train.weights import load_initial
+
+STEPPERS: dict[Family, type[Stepper]] = {
+    Family.SFT: SFTStepper, Family.RL: RLStepper, Family.PREFERENCE: PreferenceStepper}
 
 
 class _Stop:
@@ -64,29 +70,6 @@ def _check_batch(cfg: Config, divisor: int) -> None:
             f"the micro-batch ({micro} rows) and train.eval_batch_size "
             f"({cfg.train.eval_batch_size}) must be multiples of the {divisor} batch shards "
             f"of the mesh; change train.batch_size/micro_batch_size or mesh.data/mesh.fsdp.")
-
-
-def _to_global(place: Placement, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """Each process passes only its own rows; JAX assembles the global sharded batch."""
-    return {k: jax.make_array_from_process_local_data(place.batch, v) for k, v in batch.items()}
-
-
-def _train_batch(cfg: Config, rows: TokenRows, step: int) -> dict[str, np.ndarray]:
-    indices = step_indices(len(rows), cfg.train.batch_size, step, cfg.train.seed)
-    return take(rows, process_rows(indices, runtime.process_index(), runtime.process_count()))
-
-
-def _evaluate(eval_fn, params, rows: TokenRows, cfg: Config, place: Placement) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for batch in eval_batches(rows, cfg.train.eval_batch_size):
-        local = {k: v[process_rows(np.arange(len(v)), runtime.process_index(),
-                                   runtime.process_count())] for k, v in batch.items()}
-        for k, v in jax.device_get(eval_fn(params, _to_global(place, local))).items():
-            totals[k] = totals.get(k, 0.0) + float(v)
-    tokens = max(totals.pop("tokens", 0.0), 1.0)
-    out = {f"eval/{k}": v / tokens for k, v in totals.items()}
-    out["eval/perplexity"] = float(np.exp(min(out.get("eval/loss", 0.0), 50.0)))
-    return out
 
 
 def _prepare_run_dir(run_dir: Path, cfg: Config, resuming: bool, sink_msg) -> None:
@@ -118,16 +101,9 @@ class _Session:
     cfg: Config
     run_dir: Path
     place: Placement
-    # (state, step) -> (state, metrics): one optimizer step (SFT) or one RL step
-    advance: Callable[[Any, int], tuple[Any, dict]]
-    evaluate: Callable[[Any], dict[str, float]] | None  # params -> eval figures; None = no eval set
+    stepper: Stepper
     schedule: Callable[[int], Any]
     ckpt: Checkpointer
-    describe: str  # data summary for the start-up line
-    eval_at_start: bool = False  # RL: held-out accuracy before training too
-    # host state a checkpoint records beside the arrays (PPO's adaptive KL coefficient)
-    state_meta: Callable[[], dict] = dict
-    restore_meta: Callable[[dict], None] = lambda meta: None
 
 
 class _PendingMetrics:
@@ -177,81 +153,27 @@ class _PendingMetrics:
 def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    devices = placement_devices(cfg.mesh)[0] if algorithms.is_rl(cfg) else None
-    mesh = trainer_mesh(cfg.mesh, devices)
+    algorithm = registry.get(cfg.algo.name)
+    stepper_cls = STEPPERS[algorithm.family]
+    mesh = trainer_mesh(cfg.mesh, stepper_cls.trainer_devices(cfg.mesh))
     _check_batch(cfg, batch_divisor(mesh, cfg.mesh.train_rules))
     model_cfg = loading.resolve(cfg.model)
     cfg = dataclasses.replace(cfg, model=model_cfg)  # config.yaml records the real architecture
-    tokenizer = load_tokenizer(model_cfg)
-    spec = algorithms.model(cfg, model_cfg)
-    objective = algorithms.objective(cfg)
-    optimizer = make_train_optimizer(cfg)
+    spec = algorithm.model(cfg.algo, model_cfg)
+    objective = algorithm.objective(cfg.algo, cfg.rollout)
+    optimizer = train_optimizer(cfg.optim, model_cfg, algorithm.optimizer(cfg.algo),
+                                cfg.train.steps)
     place = placement(spec, optimizer, mesh, cfg.mesh.train_rules)
     step_fn = make_train_step(spec, objective, optimizer, place, cfg.train.num_micro_batches,
                               cfg.optim.freeze, skip_nonfinite=cfg.train.on_nonfinite == "skip")
     init = make_init(spec, optimizer, place, cfg.train.seed,
-                     lambda: load_initial(spec, place.state.params, loading.load_params))
-    common = dict(cfg=cfg, run_dir=run_dir, place=place, schedule=lr_schedule(cfg.optim, cfg.train.steps),
-                  ckpt=Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints))
-    if algorithms.is_rl(cfg):
-        return _Session(**common, **_rl_parts(cfg, spec, tokenizer, place, step_fn, init),
-                        eval_at_start=True), init
-    if algorithms.is_preference(cfg):
-        return _Session(**common, **_preference_parts(cfg, spec, tokenizer, place, step_fn, init),
-                        eval_at_start=True), init
-    train_examples, eval_examples = load_examples(cfg.data)
-    train_rows = encode_sft(train_examples, tokenizer, cfg.data)
-    eval_rows = encode_sft(eval_examples, tokenizer, cfg.data) if eval_examples else None
-    eval_fn = make_eval_step(spec, objective, place)
-
-    def advance(state, step):
-        return step_fn(state, _to_global(place, _train_batch(cfg, train_rows, step)))
-
-    evaluate = None if eval_rows is None else (
-        lambda params: _evaluate(eval_fn, params, eval_rows, cfg, place))
-    return _Session(**common, advance=advance, evaluate=evaluate,
-                    describe=f"{len(train_rows)} train rows ({train_rows.num_truncated} truncated)"
-                    ), init
-
-
-def _rl_parts(cfg: Config, spec, tokenizer, place: Placement, step_fn, init) -> dict[str, Any]:
-    """The RL pieces of a session: prompts, sampler, reward scorer, reference model."""
-    from gpurl.data import default_rewards, load_prompts
-    from gpurl.models.scalar import initial_policy, load_reward_model
-    from gpurl.train.rl import RLStepper, encode_prompts
-
-    train_rows, eval_rows = load_prompts(cfg.data)
-    limit = cfg.data.max_len
-    train, skipped = encode_prompts(train_rows, tokenizer, cfg.data.chat_template, limit, "train")
-    evals, eval_skipped = (encode_prompts(eval_rows, tokenizer, cfg.data.chat_template, limit, "eval")
-                           if eval_rows else (None, 0))
-    # The reference is the initial policy; it is rebuilt (not checkpointed) on resume.
-    # With LoRA the reference is the frozen base inside the train state (RLStepper).
-    ref = (initial_policy(spec, place.state.params, cfg.train.seed, loading.load_params)
-           if cfg.algo.beta > 0 and not cfg.model.lora.rank else None)
-    reward_model = (load_reward_model(cfg.algo.reward_model, cfg.model, place.mesh,
-                                      cfg.mesh.train_rules) if cfg.algo.reward_model else None)
-    stepper = RLStepper(cfg, spec, tokenizer, place, train, evals,
-                        list(cfg.rewards) or default_rewards(cfg.data), step_fn, ref, reward_model)
-    reward_names = ", ".join(r.name for r in stepper.rewards)
-    if reward_model is not None:
-        reward_names = (f"reward model {cfg.algo.reward_model}"
-                        + (f" + {reward_names}" if cfg.rewards else f" (reported: {reward_names})"))
-    return dict(advance=stepper.step, evaluate=stepper.evaluate if evals else None,
-                state_meta=stepper.state_meta, restore_meta=stepper.restore_meta,
-                describe=(f"{len(train)} train prompts, {len(evals) if evals else 0} eval prompts "
-                          f"({skipped + eval_skipped} longer than data.max_len skipped), "
-                          f"G={cfg.algo.num_generations}, rewards: {reward_names}"))
-
-
-def _preference_parts(cfg: Config, spec, tokenizer, place: Placement, step_fn,
-                      init) -> dict[str, Any]:
-    """The DPO / SimPO / ORPO pieces of a session: pairs, reference model, evaluation."""
-    from gpurl.train.preference import PreferenceStepper
-
-    stepper = PreferenceStepper(cfg, spec, tokenizer, place, step_fn, init)
-    return dict(advance=stepper.step, evaluate=stepper.evaluate if stepper.evals else None,
-                describe=stepper.describe())
+                     lambda: load_initial(spec, place.state.params))
+    setup = Setup(algorithm, cfg.algo, spec, objective, loading.load_tokenizer(model_cfg),
+                  place, step_fn, init)
+    session = _Session(cfg, run_dir, place, stepper_cls.build(setup, cfg),
+                       lr_schedule(cfg.optim, cfg.train.steps),
+                       Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints))
+    return session, init
 
 
 def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, dict]:
@@ -268,7 +190,7 @@ def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, dict]:
 
 
 def _run_eval(s: _Session, state: Any, step: int, sink: MetricsSink) -> dict[str, float]:
-    figures = s.evaluate(state.params)
+    figures = s.stepper.evaluate(state.params)
     sink.log(step, figures)
     sink.message(f"[gpurl] step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in figures.items()))
     return figures
@@ -282,19 +204,20 @@ def _run_steps(s: _Session, state: Any, start: int, skipped: int, sink: MetricsS
     queue = _PendingMetrics(s, sink, skipped)
     last_eval: dict[str, float] = {}
     step = start
-    if s.evaluate is not None and s.eval_at_start and start == 0:
+    has_eval = s.stepper.has_eval
+    if has_eval and s.stepper.eval_at_start and start == 0:
         _run_eval(s, state, 0, sink)
         queue.reset_clock()
     stopping = stop.agreed()
     while step < cfg.steps and not stopping:
-        state, metrics_dev = s.advance(state, step)
+        state, metrics_dev = s.stepper.step(state, step)
         step += 1
         queue.push(step, metrics_dev)
         sink.advance()
         final = step == cfg.steps
         stopping = stop.agreed()
-        if s.evaluate is not None and (final or (cfg.eval_every and step % cfg.eval_every == 0
-                                                 and not stopping)):
+        if has_eval and (final or (cfg.eval_every and step % cfg.eval_every == 0
+                                   and not stopping)):
             queue.flush()
             last_eval = _run_eval(s, state, step, sink)
             queue.reset_clock()
@@ -302,7 +225,7 @@ def _run_steps(s: _Session, state: Any, start: int, skipped: int, sink: MetricsS
             queue.flush()  # rows up to a checkpoint are on disk before it exists
             s.ckpt.save(step, checkpointed(s.place, state),
                         {"step": step, "examples_seen": step * cfg.batch_size,
-                         "nonfinite_skipped": queue.skipped, **s.state_meta()})
+                         "nonfinite_skipped": queue.skipped, **s.stepper.state_meta()})
             queue.reset_clock()
     queue.flush()
     if stopping and step < cfg.steps:
@@ -315,8 +238,6 @@ def _run_steps(s: _Session, state: Any, start: int, skipped: int, sink: MetricsS
 def _peak_memory() -> dict[str, float]:
     """Peak resident memory of this process and, where the backend reports it (GPU), peak
     device memory, in GB."""
-    import resource
-
     out = {"peak_host_memory_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
     stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
@@ -355,7 +276,7 @@ def _train(cfg: Config, stop: _Stop) -> dict[str, Any]:
         s.ckpt.close()
         raise
     start, resumed = int(meta.get("step", 0)), bool(meta)
-    s.restore_meta(meta)
+    s.stepper.restore_meta(meta)
     if start >= cfg.train.steps:
         done = s.run_dir / "summary.json"
         print(f"[gpurl] {s.run_dir} already finished at step {start} (train.steps="
@@ -367,7 +288,7 @@ def _train(cfg: Config, stop: _Stop) -> dict[str, Any]:
         _prepare_run_dir(s.run_dir, cfg, resumed, sink.message)
     sink.message(
         f"[gpurl] {cfg.algo.name} on {cfg.model.name} ({count_params(state.params):,} params), "
-        f"mesh {dict(s.place.mesh.shape)}, {s.describe}, "
+        f"mesh {dict(s.place.mesh.shape)}, {s.stepper.describe()}, "
         + (f"resuming from step {start}" if resumed else "starting at step 0")
         + f", run dir {s.run_dir}")
     try:
@@ -379,7 +300,7 @@ def _train(cfg: Config, stop: _Stop) -> dict[str, Any]:
     if step < cfg.train.steps:  # stopped by SIGTERM: a checkpoint holds the step
         return {"step": step, "finished": False}
     summary = {"step": step, "finished": True, **last_eval, **_peak_memory()}
-    before = _eval_at(s.run_dir, 0) if main and s.eval_at_start else {}
+    before = _eval_at(s.run_dir, 0) if main and s.stepper.eval_at_start else {}
     if before:
         summary["start"] = before
         sink_line = ", ".join(f"{k} {before[k]:.3f} -> {last_eval[k]:.3f}"
@@ -393,8 +314,6 @@ def _train(cfg: Config, stop: _Stop) -> dict[str, Any]:
 
 def _write_curves(run_dir: Path) -> None:
     """curves.png is a by-product: a plotting failure must not fail a finished run."""
-    from gpurl.train.plots import write_curves
-
     try:
         path = write_curves(run_dir)
     except Exception as e:  # noqa: BLE001 - matplotlib/font/disk errors alike

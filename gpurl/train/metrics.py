@@ -11,8 +11,11 @@ import os
 import secrets
 import string
 import sys
+import time
 from pathlib import Path
 from typing import Any, Mapping
+
+import jax
 
 from gpurl.config import LoggerConfig, LoggerName
 
@@ -26,6 +29,32 @@ BAR_METRICS = (("reward", "reward/mean"), ("loss", "loss"), ("tok/s", "tokens_pe
                ("eval_acc", "eval/accuracy"), ("eval_loss", "eval/loss"))
 BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}, ETA {remaining}, {rate_fmt}{postfix}"
 PHASES = ("time/rollout_s", "time/reward_s", "time/train_s", "time/sync_s")
+
+
+class DeviceTimer:
+    """Host seconds from now (a dispatch) until `value` is ready on device, as a metric.
+
+    The step never waits for its device work; the time is taken at the first point the
+    host waits for it anyway (`observe`: the next step's weight sync), or, when nothing
+    waited before the metrics are read, on reading (`float`). `exclude` takes out host
+    time spent on other work meanwhile (a rollout overlapped with training)."""
+
+    def __init__(self, value: Any):
+        self.start, self.value, self.end, self.excluded = time.perf_counter(), value, None, 0.0
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded += seconds
+
+    def observe(self) -> None:
+        """Called right after the host waited for `value` (or for what follows it)."""
+        if self.end is None:
+            self.end = time.perf_counter()
+
+    def __float__(self) -> float:
+        if self.end is None:
+            jax.block_until_ready(self.value)
+            self.observe()
+        return max(self.end - self.start - self.excluded, 0.0)
 
 
 class MetricsSink:

@@ -9,7 +9,9 @@ from typing import Any, Sequence
 import jax
 import optax
 
-from gpurl.config import OptimConfig
+from gpurl.config import ModelConfig, OptimConfig
+from gpurl.models import lora
+from gpurl.models.paths import model_path
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -28,25 +30,6 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 def _decay_mask(params):
     """Decoupled weight decay on matrices only: norms and biases are not decayed."""
     return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-
-def param_path(path: Sequence[Any]) -> str:
-    """"blocks/3/mlp/up" for a key path of the parameter tree."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-# Containers around a model's own tree (PPO's policy and critic, a scalar model's
-# backbone): `optim.freeze` patterns match the path inside them, so ^embed$ freezes the
-# embedding of every model in the tree.
-_CONTAINERS = ("policy", "critic", "backbone")
-
-
-def model_path(path: Sequence[Any]) -> str:
-    """The parameter's path inside its model: "critic/backbone/embed" -> "embed"."""
-    keys = param_path(path).split("/")
-    while len(keys) > 1 and keys[0] in _CONTAINERS:
-        keys = keys[1:]
-    return "/".join(keys)
 
 
 def trainable(params: Any, freeze: Sequence[str]) -> Any:
@@ -72,21 +55,15 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
 
 
-def actor_critic_optimizer(cfg: OptimConfig, critic_lr: float | None,
-                           total_steps: int) -> optax.GradientTransformation:
-    """PPO's optimizer over {"policy", "critic"}: AdamW for each, the critic's at its own
-    learning rate (the same schedule), each clipped by its own gradient norm."""
-    critic = make_optimizer(dataclasses.replace(cfg, lr=critic_lr or cfg.lr), total_steps)
-    return optax.multi_transform({"policy": make_optimizer(cfg, total_steps), "critic": critic},
-                                 {"policy": "policy", "critic": "critic"})
-
-
-def make_train_optimizer(cfg: Any) -> optax.GradientTransformation:
-    """The optimizer of a run (`cfg`: the whole Config): PPO's covers policy and critic.
-    With LoRA the base is frozen: only the adapters (and heads) have Adam moments."""
-    from gpurl.models import lora
-
-    optim = lora.optim_config(cfg.optim, cfg.model)
-    if cfg.algo.name == "ppo":
-        return actor_critic_optimizer(optim, cfg.algo.critic_lr, cfg.train.steps)
-    return make_optimizer(optim, cfg.train.steps)
+def train_optimizer(cfg: OptimConfig, model: ModelConfig, parts: dict[str, float | None] | None,
+                    total_steps: int) -> optax.GradientTransformation:
+    """The optimizer of a run. `parts` (an algorithm's record: PPO's {"policy", "critic"})
+    gives each top-level part of the trained tree an AdamW of its own, at its learning
+    rate (None: optim.lr) on the same schedule, clipped by its own gradient norm. With LoRA
+    the base is frozen: only the adapters (and heads) have Adam moments."""
+    cfg = lora.optim_config(cfg, model)
+    if parts is None:
+        return make_optimizer(cfg, total_steps)
+    return optax.multi_transform(
+        {name: make_optimizer(dataclasses.replace(cfg, lr=lr or cfg.lr), total_steps)
+         for name, lr in parts.items()}, {name: name for name in parts})

@@ -16,10 +16,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gpurl.algorithms.common import Batch, Objective
+from gpurl.algorithms.objective import Batch, Objective
 from gpurl.distributed.mesh import Rules, batch_sharding, replicated, tree_shardings
-from gpurl.models import ModelSpec, Params, lora
-from gpurl.train.optim import param_path, trainable
+from gpurl.models import lora
+from gpurl.models.paths import param_path
+from gpurl.models.spec import ModelSpec, Params
+from gpurl.train.optim import trainable
 
 
 class NonFiniteError(RuntimeError):

@@ -38,10 +38,10 @@ class RowContext:
 
 
 class ShardedScorer:
-    """`scorer(tokens_BxN, lengths_B, row_ids_B, context)` -> B x (2 + F) float32 sharded
-    like the rows: column 0 is the weighted total, column 1 + f reward function f's
+    """`scorer(tokens_BxN, lengths_B, row_ids_B, context)` -> B x (2 + functions) float32
+    sharded like the rows: column 0 is the weighted total, column 1 + f reward function f's
     score, the last column 1 where a function failed and the row was scored 0
-    (rewards_on_error=zero). Row id -1 marks a padding row (scored 0, no function called)."""
+    (rewards.on_error=zero). Row id -1 marks a padding row (scored 0, no function called)."""
 
     def __init__(self, mesh: Mesh, rewards: Sequence[Reward], tokenizer: Tokenizer,
                  stop: Sequence[str]):
@@ -54,9 +54,9 @@ class ShardedScorer:
         self.calls = 0  # rows scored by this process (a test counts them across processes)
         width = 2 + len(self.rewards)
 
-        def per_shard(tokens_RxN, lengths_R, ids_R):
-            out = jax.ShapeDtypeStruct((tokens_RxN.shape[0], width), jnp.float32)
-            return io_callback(self._host, out, tokens_RxN, lengths_R, ids_R)
+        def per_shard(tokens_BxN, lengths_B, ids_B):
+            out = jax.ShapeDtypeStruct((tokens_BxN.shape[0], width), jnp.float32)
+            return io_callback(self._host, out, tokens_BxN, lengths_B, ids_B)
 
         spec = P(self.axes)
         self._fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec),
@@ -71,24 +71,25 @@ class ShardedScorer:
             raise self._error
         return scores
 
-    def completions(self, tokens_RxN: np.ndarray, lengths_R: np.ndarray) -> list[str]:
+    def completions(self, tokens_BxN: np.ndarray, lengths_B: np.ndarray) -> list[str]:
         return [truncate(self.tokenizer.decode(row[:n]), self.stop)
-                for row, n in zip(tokens_RxN, lengths_R)]
+                for row, n in zip(tokens_BxN, lengths_B)]
 
-    def _host(self, tokens_RxN: Any, lengths_R: Any, ids_R: Any) -> np.ndarray:
-        tokens_RxN, lengths_R, ids_R = (np.asarray(x) for x in (tokens_RxN, lengths_R, ids_R))
-        out = np.zeros((len(ids_R), 2 + len(self.rewards)), np.float32)
-        real = np.flatnonzero(ids_R >= 0)
+    def _host(self, tokens_BxN: Any, lengths_B: Any, ids_B: Any) -> np.ndarray:
+        """One shard's rows (B of them) scored on the host that holds the shard."""
+        tokens_BxN, lengths_B, ids_B = (np.asarray(x) for x in (tokens_BxN, lengths_B, ids_B))
+        out = np.zeros((len(ids_B), 2 + len(self.rewards)), np.float32)
+        real = np.flatnonzero(ids_B >= 0)
         if real.size == 0:
             return out
         ctx = self._context
-        rows = [ctx.rows[int(ids_R[i]) // ctx.group] for i in real]
+        rows = [ctx.rows[int(ids_B[i]) // ctx.group] for i in real]
         keys = [k for k in rows[0] if k not in _NOT_METADATA]
         metadata = {k: [row.get(k) for row in rows] for k in keys}
-        completions = self.completions(tokens_RxN[real], lengths_R[real])
+        completions = self.completions(tokens_BxN[real], lengths_B[real])
         try:
             scores = score_rows(self.rewards, [r["prompt"] for r in rows], completions,
-                                metadata, first_row=int(ids_R[real[0]]))
+                                metadata, first_row=int(ids_B[real[0]]))
         except RewardError as e:  # names the function and the row
             self._error = e
             return out

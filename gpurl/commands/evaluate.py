@@ -1,6 +1,6 @@
 """`gpurl eval`: greedy accuracy and pass@k on the held-out prompts of a data config, for
 a model preset, a checkpoint, or a gpurl run. The same code the training loop evaluates
-with (`gpurl.train.rl.Rollouts.evaluate`), so the figures are comparable."""
+with (`gpurl.rollout.engine.RolloutEngine.evaluate`), so the figures are comparable."""
 
 from __future__ import annotations
 
@@ -10,35 +10,35 @@ from pathlib import Path
 import jax
 
 from gpurl.config import ConfigError, EvalConfig
-from gpurl.data import default_rewards, load_prompts
+from gpurl.data.sources import default_rewards, load_prompts
 from gpurl.distributed import runtime
 from gpurl.models import loading, model_spec
-from gpurl.models.tokenizer import load_tokenizer
-from gpurl.rewards import load as load_rewards
+from gpurl.rewards import from_config as load_rewards
+from gpurl.rollout.engine import RolloutEngine
+from gpurl.rollout.prompts import encode_prompts
 from gpurl.rollout.sampler import MIN_PROMPT_BUCKET, bucket
-from gpurl.train.rl import Rollouts, encode_prompts
+from gpurl.train.checkpoint import Checkpointer
+from gpurl.train.restore import restore_run
 
 
 def evaluate(cfg: EvalConfig) -> dict[str, float]:
     runtime.initialize(cfg.distributed)
     if cfg.checkpoint is not None:
-        from gpurl.train.export import restore_run
-
         run_cfg, params = restore_run(cfg.checkpoint)
         model_cfg, source = run_cfg.model, f"{cfg.checkpoint} (step {_step(cfg.checkpoint)})"
     else:
         model_cfg, params, source = loading.resolve(cfg.model), None, cfg.model.name
     spec = model_spec(model_cfg)
-    tokenizer = load_tokenizer(model_cfg)
+    tokenizer = loading.load_tokenizer(model_cfg)
     _, eval_rows = load_prompts(cfg.data)
     if not eval_rows:
         raise ConfigError(f"data={cfg.data.name} has no held-out prompts; set data.num_eval > 0 "
                           f"or data.eval_path.")
     prompts, skipped = encode_prompts(eval_rows, tokenizer, cfg.data.chat_template,
                                       cfg.data.max_len, "eval")
-    rewards = load_rewards(list(cfg.rewards) or default_rewards(cfg.data), cfg.reward_weights or None)
-    engine = Rollouts(spec, tokenizer, cfg.rollout, cfg.mesh, rewards,
-                      bucket(max(len(t) for t in prompts.tokens), MIN_PROMPT_BUCKET))
+    rewards = load_rewards(cfg.rewards, default_rewards(cfg.data))
+    engine = RolloutEngine(spec, tokenizer, cfg.rollout, cfg.mesh, rewards,
+                           bucket(max(len(t) for t in prompts.tokens), MIN_PROMPT_BUCKET))
     if params is None:
         params = loading.load_params(model_cfg, spec, engine.sampler.param_shardings)
     if params is None:
@@ -58,8 +58,6 @@ def evaluate(cfg: EvalConfig) -> dict[str, float]:
 
 
 def _step(run_dir: str) -> str:
-    from gpurl.train.checkpoint import Checkpointer
-
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep=1)
     try:
         return str(ckpt.latest_step())

@@ -12,9 +12,11 @@ from gpurl.config import ConfigError, GenerateConfig, ModelConfig
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import rollout_mesh
 from gpurl.models import Params, loading, model_spec
-from gpurl.models.tokenizer import Tokenizer, load_tokenizer
+from gpurl.models.tokenizer import Tokenizer
 from gpurl.rollout.decode import local_completions, stop_token_ids
+from gpurl.rollout.prompts import encode_prompt
 from gpurl.rollout.sampler import Sampler
+from gpurl.train.restore import restore_run
 
 
 def read_prompts(cfg: GenerateConfig) -> list[str | list[dict]]:
@@ -42,22 +44,8 @@ def read_prompts(cfg: GenerateConfig) -> list[str | list[dict]]:
     return prompts
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
-    if chat or isinstance(prompt, list):
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        if tokenizer.bos_token and text.startswith(tokenizer.bos_token):
-            text = text[len(tokenizer.bos_token):]
-    else:
-        text = prompt
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    return bos + tokenizer.encode(text)
-
-
 def _model(cfg: GenerateConfig, sampler_for) -> tuple[ModelConfig, Sampler, Params]:
     if cfg.checkpoint is not None:
-        from gpurl.train.export import restore_run
-
         run_cfg, params = restore_run(cfg.checkpoint)
         model_cfg = run_cfg.model
         return model_cfg, sampler_for(model_cfg), params
@@ -74,7 +62,7 @@ def generate(cfg: GenerateConfig) -> dict[int, tuple[str, int, float]]:
     tokenizers: dict[str, Tokenizer] = {}
 
     def sampler_for(model_cfg: ModelConfig) -> Sampler:
-        tokenizers["t"] = load_tokenizer(model_cfg)
+        tokenizers["t"] = loading.load_tokenizer(model_cfg)
         return Sampler(model_spec(model_cfg), cfg.rollout, rollout_mesh(cfg.mesh),
                        cfg.mesh.sample_rules, pad_id=tokenizers["t"].pad_id,
                        stop_ids=stop_token_ids(tokenizers["t"], cfg.rollout.stop))

@@ -1,0 +1,5 @@
+"""`python -m gpurl.cli ...` is `gpurl ...`."""
+
+from gpurl.cli import main
+
+main()

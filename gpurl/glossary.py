@@ -1,0 +1,39 @@
+"""Shape letters: the suffix of an array's name lists its axes, `logits_BxTxV`.
+
+Every module of gpurl names arrays with these letters only, and each letter means one
+thing everywhere (tests/test_glossary.py reads every name in gpurl/ and checks it).
+Digits are literal sizes (`scores_Px2`: chosen, rejected; `last_Bx1`), and `N1` is N + 1
+(the states before each of N tokens and after the last). A per-shard function's B is
+that shard's rows.
+
+    B  batch rows: sequences of a batch or of a shard (B = P x G in grouped batches)
+    T  token positions of a sequence; the query tokens of attention
+    S  key/value slots: the keys attention reads, the slots of a KV cache
+    D  model width (d_model)
+    E  width of one attention head (head_dim)
+    H  query heads
+    K  key/value heads (H % K == 0)
+    Q  query heads that share one key/value head (H / K)
+    F  hidden width of the MLP (mlp_dim)
+    R  rotary frequencies of a head (E / 2)
+    V  vocabulary
+    L  decoder layers
+    P  prompts of a grouped batch: RL groups, preference pairs
+    G  completions per prompt (GRPO's group; the k samples of pass@k)
+    N  completion token slots (rollout.max_new_tokens)
+    W  width of a padded prompt
+    M  micro-batches of a step
+    C  tokens of a chunk of each row (chunked log-probs)
+    J  chunks
+    X  examples of a dataset
+    Z  the tokens of many examples, one after another (packing)
+"""
+
+LETTERS = {
+    "B": "batch rows", "T": "token positions", "S": "key/value slots", "D": "model width",
+    "E": "head width", "H": "query heads", "K": "key/value heads", "Q": "query heads per kv head",
+    "F": "MLP width", "R": "rotary frequencies", "V": "vocabulary", "L": "layers",
+    "P": "prompts", "G": "completions per prompt", "N": "completion slots",
+    "W": "prompt width", "M": "micro-batches", "C": "chunk tokens",
+    "J": "chunks", "X": "examples", "Z": "concatenated tokens",
+}

@@ -1,0 +1,89 @@
+"""What jitted code needs to run a decoder: its graph, parameter shapes and logical axes.
+
+Parameters travel as plain nested dicts (`Params`): jitted code takes the parameter pytree
+and merges it with the static graph definition inside the trace, so optimizer state,
+checkpoints and shardings all work on plain pytrees.
+
+Every trained tree has a spec with the same small interface (`abstract_params`,
+`logical_axes`, `init`, and `policy` / `policy_params` for the language model inside it):
+a language model (`ModelSpec`), a scalar-head model or PPO's policy with its critic
+(`gpurl.models.scalar`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from gpurl.config import ModelConfig
+from gpurl.models.transformer import KVCache, Transformer
+
+Params = dict[str, Any]
+# (model config, language-model spec, shardings) -> the checkpoint's parameters placed on
+# their shards, or None for a random init (`gpurl.models.loading.load_params`).
+LoadLM = Callable[[ModelConfig, "ModelSpec", Any], "Params | None"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A language model: the graph, the parameter shapes and axes."""
+
+    cfg: ModelConfig
+    graphdef: Any  # nnx.GraphDef, static under jit
+    abstract_params: Params  # jax.ShapeDtypeStruct leaves
+    logical_axes: Params  # same structure, tuple[str, ...] leaves
+
+    def apply(self, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+              segments_BxT: jax.Array) -> jax.Array:
+        return nnx.merge(self.graphdef, params)(tokens_BxT, positions_BxT, segments_BxT)
+
+    def hidden(self, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+               segments_BxT: jax.Array, cache: KVCache | None = None):
+        """Final-norm hidden states (and the cache with the new tokens appended)."""
+        return nnx.merge(self.graphdef, params).hidden(tokens_BxT, positions_BxT, segments_BxT, cache)
+
+    def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+        return nnx.merge(self.graphdef, params).logits(hidden)
+
+    def init(self, seed: int) -> Params:
+        """Random parameters (call under jit with out_shardings to create them sharded)."""
+        return nnx.to_pure_dict(nnx.state(Transformer(self.cfg, rngs=nnx.Rngs(seed)), nnx.Param))
+
+    @property
+    def policy(self) -> ModelSpec:
+        """The language model of the tree: itself."""
+        return self
+
+    def policy_params(self, params: Params) -> Params:
+        return params
+
+    def initial(self, shardings: Params, load_lm: LoadLM) -> Params | None:
+        """The checkpoint's parameters on their shards; None for a random init."""
+        return load_lm(self.cfg, self, shardings)
+
+
+def _nest(flat: list[tuple[tuple, Any]]) -> Params:
+    out: Params = {}
+    for path, leaf in flat:
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return out
+
+
+def model_spec(cfg: ModelConfig) -> ModelSpec:
+    """Shapes and logical axes of a model without allocating its parameters."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))),
+                                nnx.Param)
+    flat = list(nnx.to_flat_state(state))
+    abstract = _nest([(path, var.get_value()) for path, var in flat])
+    axes = _nest([(path, var.get_metadata()["logical_axes"]) for path, var in flat])
+    return ModelSpec(cfg, graphdef, abstract, axes)
+
+
+def count_params(params: Params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))

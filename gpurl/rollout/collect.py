@@ -1,0 +1,203 @@
+"""One RL step's rollouts: rounds of G completions per prompt, dynamic sampling, and the
+trainer batch, with rewards on device from the scorer to the batch.
+
+    round 0: the step's prompts (a pure function of seed and step), sampled and scored
+    [dynamic sampling (DAPO): groups whose G rewards are all equal carry no gradient;
+     more rounds of fresh prompts until the batch is full or algo.max_refills is spent]
+    -> the kept groups (fillers without loss if rounds ran out), grouped by prompt, on
+       the trainer mesh, with each row's shaped reward.
+
+Rewards are shaped (function weight, DAPO's overlong punishment) and reduced to metrics
+on device; the host receives only the P-element "group is informative" mask of a round
+under dynamic sampling, to choose the groups to keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from gpurl.data.batching import step_indices
+from gpurl.rollout.engine import Round, RolloutEngine, row_seeds, to_host
+from gpurl.rollout.prompts import Prompts
+
+# Rewards closer than this count as equal (a group without signal).
+EQUAL = 1e-9
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """The reward of a row from its scores: function_weight x the functions' weighted
+    total, plus DAPO's overlong punishment (Yu et al. 2025, eq. 13)."""
+
+    max_tokens: int  # rollout.max_new_tokens
+    overlong_buffer: int = 0  # the penalty ramps over the last N tokens; 0 = off
+    overlong_penalty: float = 1.0  # the penalty at the length limit
+    # 0 when a reward model gives the reward and no functions were named: they only report
+    function_weight: float = 1.0
+
+
+def overlong_penalty(lengths_B: jax.Array, max_tokens: int, buffer: int,
+                     factor: float) -> jax.Array:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to max - buffer
+    tokens, then falling linearly to -factor at the length limit. Off when the buffer is 0
+    or not shorter than the limit (the paper's 4096 of 20480 tokens has no meaning for
+    8-token answers)."""
+    if buffer <= 0 or buffer >= max_tokens:
+        return jnp.zeros(lengths_B.shape, jnp.float32)
+    start = max_tokens - buffer
+    return factor * jnp.clip((start - lengths_B) / buffer, -1.0, 0.0).astype(jnp.float32)
+
+
+def shaped_rewards(shaping: Shaping, scores: jax.Array, lengths_B: jax.Array,
+                   row_ids_B: jax.Array) -> jax.Array:
+    """The reward of every device row from its scores (B x (2 + functions), the
+    scorer's columns); padding rows 0."""
+    total_B = shaping.function_weight * scores[:, 0] + overlong_penalty(
+        lengths_B, shaping.max_tokens, shaping.overlong_buffer, shaping.overlong_penalty)
+    return jnp.where(row_ids_B >= 0, total_B, 0.0).astype(jnp.float32)
+
+
+def group_spread(rewards_B: jax.Array, group: int) -> jax.Array:
+    """max - min of each group's rewards, P (rows grouped contiguously)."""
+    r_PxG = rewards_B.reshape(-1, group)
+    return r_PxG.max(-1) - r_PxG.min(-1)
+
+
+def select_groups(informative_P: np.ndarray | None, num_groups: int,
+                  wanted: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kept group indices, dropped ones) of one round. Dynamic sampling (DAPO, Yu et al.
+    2025, sec. 3.2) keeps the informative groups (`informative_P`); without it
+    (`informative_P` None) the round's first `wanted` groups are the batch."""
+    order = np.arange(num_groups)
+    if informative_P is None:
+        return order[:wanted], order[wanted:]
+    return order[informative_P], order[~informative_P]
+
+
+@dataclass
+class Collected:
+    """A step's trainer batch and what the step logs about its rollouts."""
+
+    batch: dict[str, jax.Array]  # grouped by prompt, on the trainer mesh
+    rewards: jax.Array  # B: the shaped reward of every batch row, on the trainer mesh
+    metrics: dict[str, Any]  # device scalars, host counts and times
+
+
+class Collector:
+    """Rounds of rollouts for the shared train step of the RL algorithms.
+
+    `to_trainer` moves an array of rollout rows onto the trainer mesh (`batch_sharding`);
+    `rounds` is 1 + the refills dynamic sampling may run (`drop_equal`)."""
+
+    def __init__(self, engine: RolloutEngine, prompts: Prompts, *, group: int,
+                 batch_size: int, seed: int, shaping: Shaping, drop_equal: bool, rounds: int,
+                 to_trainer: Callable[[jax.Array], jax.Array], batch_sharding: NamedSharding,
+                 pad_id: int):
+        self.engine, self.prompts, self.group = engine, prompts, group
+        self.batch_size, self.seed, self.shaping = batch_size, seed, shaping
+        self.drop_equal, self.rounds, self.to_trainer = drop_equal, rounds, to_trainer
+        self.pad_id = pad_id
+        self._shape = jax.jit(lambda s, n, i: shaped_rewards(shaping, s, n, i))
+        self._spread = jax.jit(lambda r, pos: group_spread(r[pos], group))
+        self._stats = jax.jit(self._round_stats)
+        # rows scored 0 because a reward function failed (rewards.on_error=zero)
+        self.count_errors = any(r.on_error == "zero" for r in engine.rewards)
+        self._errors = jax.jit(lambda scores, ids: (scores[:, -1] * (ids >= 0)).sum())
+        self._assemble = jax.jit(self._assemble_fn, out_shardings=(batch_sharding, batch_sharding))
+
+    def round(self, params: Any, step: int, rnd: int) -> Round:
+        """Rollout round `rnd` of `step`: its prompts and seeds are functions of both."""
+        stream = step * self.rounds + rnd if self.drop_equal else step
+        idx = step_indices(len(self.prompts), self.batch_size, stream, self.seed)
+        return self.engine.run(params, self.prompts, idx, self.group,
+                               row_seeds(self.seed, step, rnd, len(idx) * self.group))
+
+    def collect(self, params: Any, step: int, first: Round | None = None) -> Collected:
+        """The rounds of `step` (`first`: its round 0, sampled ahead) and the batch of the
+        groups they keep."""
+        rounds, rewards, kept, dropped = [], [], [], []
+        for rnd in range(self.rounds):
+            r = first if rnd == 0 and first is not None else self.round(params, step, rnd)
+            rewards.append(self._shape(r.scores, r.rollout.lengths, r.row_ids))
+            keep, drop = self._select(rewards[-1], r)
+            kept.append(np.stack([np.full_like(keep, rnd), keep], 1))
+            dropped.append(np.stack([np.full_like(drop, rnd), drop], 1))
+            rounds.append(r)
+            if sum(len(k) for k in kept) >= self.batch_size:
+                break
+        kept_pairs, dropped_pairs = np.concatenate(kept), np.concatenate(dropped)
+        num_kept = min(len(kept_pairs), self.batch_size)
+        groups = np.concatenate([kept_pairs[:num_kept], dropped_pairs])[:self.batch_size]
+        select_B, keep_B = self._rows(rounds, groups, num_kept)
+        parts = [tuple(self.to_trainer(x) for x in (
+            r.prompt_tokens, r.prompt_lengths, r.rollout.tokens, r.rollout.lengths,
+            r.rollout.logprobs, shaped)) for r, shaped in zip(rounds, rewards)]
+        batch, rewards_B = self._assemble(parts, jnp.asarray(select_B, jnp.int32),
+                                          jnp.asarray(keep_B))
+        metrics = self._stats(rounds[0].scores, rounds[0].rollout.lengths, rewards[0],
+                              jnp.asarray(rounds[0].positions))
+        metrics.update({
+            "reward/batch_mean": rewards_B.mean(), "groups/kept": float(num_kept),
+            "rollout/rounds": float(len(rounds)),
+            "time/rollout_s": sum(r.rollout_s for r in rounds),
+            "time/reward_s": sum(r.reward_s for r in rounds)})
+        if self.count_errors:
+            metrics["reward/errors"] = sum(self._errors(r.scores, r.row_ids) for r in rounds)
+        return Collected(batch, rewards_B, metrics)
+
+    def _select(self, rewards_B: jax.Array, r: Round) -> tuple[np.ndarray, np.ndarray]:
+        """`select_groups` of a round; under dynamic sampling the host receives the P
+        informative-group flags, nothing else."""
+        informative_P = (to_host(self._spread(rewards_B, jnp.asarray(r.positions))) > EQUAL
+                         if self.drop_equal else None)
+        return select_groups(informative_P, len(r.positions) // self.group, self.batch_size)
+
+    def _rows(self, rounds: list[Round], groups: np.ndarray,
+              num_kept: int) -> tuple[np.ndarray, np.ndarray]:
+        """Device rows of the chosen (round, group) pairs in the rounds' concatenation,
+        and whether each row carries loss (fillers do not)."""
+        g = self.group
+        offsets = np.cumsum([0] + [len(r.row_ids) for r in rounds])
+        positions = np.stack([r.positions for r in rounds])
+        round_B = np.repeat(groups[:, 0], g)
+        global_B = (groups[:, 1:2] * g + np.arange(g)[None]).reshape(-1)
+        select_B = offsets[round_B] + positions[round_B, global_B]
+        return select_B, np.repeat(np.arange(len(groups)) < num_kept, g)
+
+    def _assemble_fn(self, rounds: list[tuple], select_B: jax.Array,
+                     keep_B: jax.Array) -> tuple[dict, jax.Array]:
+        """Concatenates rounds and keeps rows `select_B` (whole groups, in order), grouped
+        by prompt: every array's leading axis is the P prompts, so micro-batches and
+        shards split whole groups."""
+        g = self.group
+        cat = [jnp.concatenate([r[i] for r in rounds]) for i in range(6)]
+        prompt_BxW, plen_B, comp_BxN, clen_B, clp_BxN, rewards_B = (x[select_B] for x in cat)
+        p, n = select_B.shape[0] // g, comp_BxN.shape[1]
+        real_BxN = jnp.arange(n)[None, :] < clen_B[:, None]
+        grouped = lambda x: x.reshape(p, g, *x.shape[1:])  # noqa: E731
+        batch = {"prompt_tokens": prompt_BxW[::g].astype(jnp.int32),
+                 "prompt_lengths": plen_B[::g].astype(jnp.int32),
+                 "completions": grouped(jnp.where(real_BxN, comp_BxN, self.pad_id)),
+                 "completion_lengths": grouped(clen_B.astype(jnp.int32)),
+                 "comp_mask": grouped((real_BxN & keep_B[:, None]).astype(jnp.float32)),
+                 "sampler_logprobs": grouped(jnp.where(real_BxN, clp_BxN, 0.0))}
+        return batch, rewards_B
+
+    def _round_stats(self, scores: jax.Array, lengths_B: jax.Array, rewards_B: jax.Array,
+                     pos: jax.Array) -> dict[str, jax.Array]:
+        """Metrics of the unfiltered round 0, over its global rows (device rows `pos`)."""
+        r_PxG = rewards_B[pos].reshape(-1, self.group)
+        lengths_B, scores = lengths_B[pos], scores[pos]
+        out = {"reward/mean": r_PxG.mean(), "reward/std": r_PxG.std(-1).mean(),
+               "completion/length": lengths_B.mean(),
+               "completion/truncated": (lengths_B >= self.shaping.max_tokens).mean(),
+               "groups/all_equal": ((r_PxG.max(-1) - r_PxG.min(-1)) <= EQUAL).mean()}
+        for f, reward in enumerate(self.engine.rewards):
+            out[f"reward/{reward.name}"] = scores[:, 1 + f].mean()
+        return out

@@ -1,0 +1,56 @@
+"""One step of supervised fine-tuning, and held-out loss, token accuracy and perplexity.
+
+    rows of step s (a pure function of the seed and s; each process loads its slice)
+      -> the shared train step on B x T token rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+
+from gpurl.config import Config, DataConfig, TrainConfig
+from gpurl.data.batching import eval_batches, process_rows, step_indices, take
+from gpurl.data.sft import TokenRows, encode_sft
+from gpurl.data.sources import load_examples
+from gpurl.distributed import runtime
+from gpurl.train.step import TrainState, make_eval_step
+from gpurl.train.stepper import Setup, Stepper
+
+
+class SFTStepper(Stepper):
+    """Batches of (prompt, completion) rows with loss on the completion."""
+
+    @classmethod
+    def build(cls, setup: Setup, cfg: Config) -> "SFTStepper":
+        return cls(setup, cfg.data, cfg.train)
+
+    def __init__(self, setup: Setup, data: DataConfig, train: TrainConfig):
+        self.setup, self.train = setup, train
+        train_examples, eval_examples = load_examples(data)
+        self.rows = encode_sft(train_examples, setup.tokenizer, data)
+        self.evals: TokenRows | None = (encode_sft(eval_examples, setup.tokenizer, data)
+                                        if eval_examples else None)
+        self.has_eval = self.evals is not None
+        self._eval_fn = make_eval_step(setup.spec, setup.objective, setup.place)
+
+    def describe(self) -> str:
+        return f"{len(self.rows)} train rows ({self.rows.num_truncated} truncated)"
+
+    def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
+        indices = step_indices(len(self.rows), self.train.batch_size, step, self.train.seed)
+        local = process_rows(indices, runtime.process_index(), runtime.process_count())
+        return self.setup.step_fn(state, self.setup.to_global(take(self.rows, local)))
+
+    def evaluate(self, params) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        rank, count = runtime.process_index(), runtime.process_count()
+        for batch in eval_batches(self.evals, self.train.eval_batch_size):
+            local = {k: v[process_rows(np.arange(len(v)), rank, count)] for k, v in batch.items()}
+            metrics = self._eval_fn(params, self.setup.to_global(local))
+            for k, v in jax.device_get(metrics).items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        tokens = max(totals.pop("tokens", 0.0), 1.0)
+        out = {f"eval/{k}": v / tokens for k, v in totals.items()}
+        out["eval/perplexity"] = float(np.exp(min(out.get("eval/loss", 0.0), 50.0)))
+        return out

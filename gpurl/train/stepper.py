@@ -1,0 +1,75 @@
+"""What a stepper is: the per-family part of the loop that turns step s into a batch (and,
+for RL, rollouts), calls the shared jitted train step, and evaluates.
+
+The loop builds the pieces every family needs (`Setup`) and picks the stepper of the
+algorithm's family (`gpurl.train.loop.STEPPERS`); each stepper takes its own config
+sections from the root config in `build` and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from gpurl.algorithms.objective import Objective
+from gpurl.algorithms.registry import Algorithm
+from gpurl.config import AlgoConfig, Config, MeshConfig
+from gpurl.models.tokenizer import Tokenizer
+from gpurl.train.step import Placement, TrainState
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the loop built for the stepper."""
+
+    algorithm: Algorithm  # the algorithm's registry record
+    algo: AlgoConfig  # its config
+    spec: Any  # the trained tree's spec
+    objective: Objective
+    tokenizer: Tokenizer
+    place: Placement  # where state and batches live on the trainer mesh
+    step_fn: Callable[[TrainState, dict], tuple[TrainState, dict]]  # the jitted train step
+    init: Callable[[], TrainState]  # a fresh state (initial weights, new optimizer)
+
+    def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Each process passes only its own rows; JAX assembles the global sharded batch."""
+        return {k: jax.make_array_from_process_local_data(self.place.batch, v)
+                for k, v in batch.items()}
+
+
+class Stepper:
+    """The interface the loop drives; the defaults fit a stepper without held-out data or
+    host state."""
+
+    eval_at_start = False  # evaluate before the first step too (RL, preference)
+    has_eval = False  # there are held-out rows to evaluate on
+
+    @classmethod
+    def build(cls, setup: Setup, cfg: Config) -> "Stepper":
+        raise NotImplementedError
+
+    @staticmethod
+    def trainer_devices(mesh: MeshConfig) -> Sequence[jax.Device] | None:
+        """The devices of the trainer mesh; None: all of them."""
+        return None
+
+    def describe(self) -> str:
+        """The data summary of the start-up line."""
+        raise NotImplementedError
+
+    def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
+        """Dispatches step `step`; its metrics are device values the loop reads late."""
+        raise NotImplementedError
+
+    def evaluate(self, params: Any) -> dict[str, float]:
+        raise NotImplementedError
+
+    def state_meta(self) -> dict[str, float]:
+        """Host state a checkpoint records beside the arrays."""
+        return {}
+
+    def restore_meta(self, meta: dict) -> None:
+        pass

@@ -1,0 +1,151 @@
+"""The structure ARCHITECTURE.md asks for, read off the code: imports run one way (no
+circle, no import hidden in a function, config.py a leaf), an algorithm's name is compared
+only in its registry record, every choice has its registered function, every record has a
+preset naming its schema, and every model family is a file of models/families/."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import algo_config
+from gpurl.algorithms import registry
+from gpurl.algorithms.dpo import DPO_LOSSES
+from gpurl.algorithms.policy_gradient import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, RATIOS
+from gpurl.cli import validate
+from gpurl.config import ConfigError, GRPOConfig
+from gpurl.models import families
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "gpurl"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(path: Path) -> tuple[set[str], list[str]]:
+    """(gpurl modules imported at module level, imports of gpurl inside functions)."""
+    tree = ast.parse(path.read_text())
+    inner = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))}
+    top, local = set(), []
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+                 if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+        names = [n for n in names if n.split(".")[0] == "gpurl"]
+        if names and id(node) in inner:
+            local.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+        top.update(names)
+    return top, local
+
+
+def test_imports_run_one_way_with_no_circle_and_none_inside_functions():
+    modules = _modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges, hidden = {}, []
+    for name, path in modules.items():
+        top, local = _imports(path)
+        hidden += local
+        # a package's face importing its own modules is not a dependency of theirs
+        edges[name] = {r for r in map(resolve, top) if r and r != name
+                       and not name.startswith(r + ".")}
+    assert not hidden, f"gpurl imports inside functions: {hidden}"
+    assert edges["gpurl.config"] == set(), "gpurl/config.py must import nothing from gpurl"
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            assert state.get(nxt) != 1, f"import circle: {' -> '.join(trail + [node, nxt])}"
+            if nxt not in state:
+                visit(nxt, trail + [node])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [])
+
+
+def test_algorithm_names_are_compared_only_in_the_registry():
+    names = "|".join(registry.ALGORITHMS)
+    comparison = re.compile(rf"""(==|!=|\bin)\s*\(?\s*["']({names})["']|["']({names})["']\s*(==|!=)""")
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path in PACKAGE.rglob("*.py") if path.name != "registry.py"
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if comparison.search(line)]
+    assert not found, f"algorithm names compared outside gpurl/algorithms/registry.py: {found}"
+
+
+@pytest.mark.parametrize("table", [KL_ESTIMATORS, LOSS_AGGS, ADVANTAGES, RATIOS, DPO_LOSSES],
+                         ids=lambda t: t.what)
+def test_every_choice_has_its_registered_function_and_bad_names_list_the_valid_ones(table):
+    assert table.missing() == []
+    with pytest.raises(ValueError, match=f"unknown {table.what} 'nope'; use one of: "
+                                         f"{', '.join(table.names())}."):
+        table["nope"]
+
+
+def test_every_algorithm_has_a_preset_naming_its_schema():
+    presets = {}
+    for path in sorted((ROOT / "configs" / "algo").glob("*.yaml")):
+        preset = yaml.safe_load(path.read_text())
+        presets.setdefault(preset["name"], []).append((path.stem, preset["defaults"][0]))
+    assert set(presets) == set(registry.ALGORITHMS)
+    for name, found in presets.items():
+        schema = registry.get(name).config.schema
+        assert all(first == f"/gpurl_{schema}@_here_" for _, first in found), (name, found)
+    assert registry.AlgoName.GRPO == "grpo" and len(registry.AlgoName) == len(registry.ALGORITHMS)
+
+
+def test_each_family_is_one_file_and_unknown_ones_are_one_sentence():
+    files = {p.stem for p in (PACKAGE / "models" / "families").glob("*.py")} - {"__init__", "base"}
+    assert files == set(families.FAMILIES)
+    with pytest.raises(ConfigError, match="model.family='mamba' is not valid; use one of: gemma, "):
+        validate(["model.family=mamba"])
+
+
+def test_a_key_of_another_algorithm_names_its_owners():
+    with pytest.raises(ConfigError, match=r"^'algo.critic_lr' is not a key of the chosen "
+                                          r"algorithm; it is one of algo=ppo: "):
+        validate(["algo.critic_lr=1e-5"])
+    with pytest.raises(ConfigError, match=r"algo=dpo has no key algo\.\w+ \(its keys are those of DPOConfig\)"):
+        validate(["algo.name=dpo"])
+
+
+def test_moved_keys_keep_working_with_a_notice(capsys):
+    cfg = validate(["rewards=[numeric_match]", "rewards_on_error=zero", "reward_timeout_s=5"])
+    assert (cfg.rewards.functions, cfg.rewards.on_error, cfg.rewards.timeout_s) == (
+        ("numeric_match",), "zero", 5.0)
+    notices = capsys.readouterr().err.strip().splitlines()
+    assert notices == [f"[gpurl] {old} is deprecated and will be removed; use {new} (set to the "
+                       f"same value now)." for old, new in (("rewards_on_error", "rewards.on_error"),
+                                                           ("reward_timeout_s", "rewards.timeout_s"))]
+
+
+def test_a_config_yaml_written_before_the_split_still_reads():
+    """Run directories of earlier versions hold every algorithm's keys in `algo` and the
+    reward keys at the top level; `gpurl export`/`eval` of such a run still work."""
+    old_algo = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    old_algo.update(name="grpo", beta=0.04, dpo_loss="sigmoid", critic="separate", gamma=1.0,
+                    simpo_gamma=0.5, label_smoothing=0.0)
+    cfg = registry.parse({"algo": old_algo, "rewards": ["numeric_match"], "reward_weights": [2.0],
+                          "rewards_on_error": "zero", "reward_timeout_s": 5})
+    assert cfg.algo == algo_config("grpo", beta=0.04)
+    assert (cfg.rewards.functions, cfg.rewards.weights, cfg.rewards.on_error,
+            cfg.rewards.timeout_s) == (("numeric_match",), (2.0,), "zero", 5)
