@@ -203,6 +203,10 @@ class PolicyGradientConfig(AlgoConfig):
             _positive(f"algo.{key}", getattr(self, key))
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ConfigError(f"algo.dual_clip={self.dual_clip} must exceed 1; use e.g. 3 or null.")
+        if self.dynamic_sampling and self.reward_model is not None:
+            raise ConfigError("algo.dynamic_sampling picks groups by the reward functions before "
+                              "algo.reward_model scores them; set algo.dynamic_sampling=false "
+                              "or drop algo.reward_model.")
 
     @property
     def clip_high(self) -> float:

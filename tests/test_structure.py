@@ -20,6 +20,7 @@ from gpurl.algorithms.policy_gradient import ADVANTAGES, KL_ESTIMATORS, LOSS_AGG
 from gpurl.cli import validate
 from gpurl.config import ConfigError, GRPOConfig
 from gpurl.models import families
+from gpurl.train import loop
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gpurl"
@@ -138,9 +139,10 @@ def test_moved_keys_keep_working_with_a_notice(capsys):
                                                            ("reward_timeout_s", "rewards.timeout_s"))]
 
 
-def test_a_config_yaml_written_before_the_split_still_reads():
+def test_a_config_yaml_written_before_the_split_still_reads(tmp_path):
     """Run directories of earlier versions hold every algorithm's keys in `algo` and the
-    reward keys at the top level; `gpurl export`/`eval` of such a run still work."""
+    reward keys at the top level; `gpurl export`/`eval` of such a run still work, and
+    resuming one reports what changed."""
     old_algo = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     old_algo.update(name="grpo", beta=0.04, dpo_loss="sigmoid", critic="separate", gamma=1.0,
                     simpo_gamma=0.5, label_smoothing=0.0)
@@ -149,3 +151,9 @@ def test_a_config_yaml_written_before_the_split_still_reads():
     assert cfg.algo == algo_config("grpo", beta=0.04)
     assert (cfg.rewards.functions, cfg.rewards.weights, cfg.rewards.on_error,
             cfg.rewards.timeout_s) == (("numeric_match",), (2.0,), "zero", 5)
+    old = {"algo": old_algo, "rewards": ["numeric_match"], "reward_weights": [2.0]}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    messages = []
+    loop._prepare_run_dir(tmp_path, cfg, True, messages.append)
+    assert len(messages) == 1 and "rewards.on_error: None -> 'zero'" in messages[0]
+    assert "rewards.functions" not in messages[0]

@@ -10,7 +10,7 @@ Per completion token t (B sequences, N token slots, mask m):
   A_t = delta_t + gamma lambda A_{t+1}; returns R_t = A_t + V_t;
 - advantages whitened over the batch's tokens (`algo.whiten_advantages`);
 - policy loss: the clipped surrogate with token ratios (Schulman et al. 2017, eq. 7;
-  `gpurl.algorithms.grpo.policy_loss` with per-token advantages);
+  `gpurl.algorithms.policy_gradient.policy_loss` with per-token advantages);
 - value loss: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), the clipped
   form of OpenAI baselines' PPO2, token mean;
 - loss = policy + vf_coef value - entropy_coef entropy;

@@ -27,9 +27,7 @@ from gpurl.models.scalar import ScalarSpec, head, scalar_spec
 
 def pair_scores(spec: ScalarSpec, params: Any, batch: Batch) -> jax.Array:
     """r(x, y) of the chosen and rejected completions, P x 2 fp32 (prompt run once per pair)."""
-    states_BxN1xD = group_states(spec.base, params["backbone"], batch)
-    last_BxD = final_states(states_BxN1xD, batch["completion_lengths"].reshape(-1))
-    return head(params["score"], last_BxD[:, None])[:, 0].reshape(-1, 2)
+    return reward_model_scores(spec, params, batch).reshape(-1, 2)
 
 
 def bradley_terry(scores_Px2: jax.Array, pair_mask_P: jax.Array,

@@ -120,7 +120,7 @@ def _first_fit(len_X: list[int], T: int) -> tuple[np.ndarray, np.ndarray, np.nda
     """Greedy first-fit bin packing in example order: (row, offset, segment id) per example.
 
     A max-tree over the free space of every potential row (one per example, all empty at
-    first) finds the lowest row with room in O(log E), so packing a large dataset stays
+    first) finds the lowest row with room in O(log X), so packing a large dataset stays
     fast; an unopened row is simply the first empty leaf.
     """
     size = 1 << max(len(len_X) - 1, 0).bit_length()

@@ -84,7 +84,7 @@ def from_config(cfg: RewardsConfig, default: Sequence[str]) -> list[Reward]:
 class Scores(NamedTuple):
     total: np.ndarray  # weighted sum per completion
     parts: dict[str, np.ndarray]  # each function's scores, by name
-    errors: np.ndarray  # bool per completion: a function failed on it (rewards_on_error=zero)
+    errors: np.ndarray  # bool per completion: a function failed on it (rewards.on_error=zero)
 
 
 def score(rewards: Sequence[Reward], prompts: Sequence[str], completions: Sequence[str],

@@ -14,6 +14,7 @@ under dynamic sampling, to choose the groups to keep.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -87,6 +88,7 @@ class Collected:
     batch: dict[str, jax.Array]  # grouped by prompt, on the trainer mesh
     rewards: jax.Array  # B: the shaped reward of every batch row, on the trainer mesh
     metrics: dict[str, Any]  # device scalars, host counts and times
+    assembled_at: float  # host time when the batch assembly was dispatched
 
 
 class Collector:
@@ -135,6 +137,7 @@ class Collector:
         num_kept = min(len(kept_pairs), self.batch_size)
         groups = np.concatenate([kept_pairs[:num_kept], dropped_pairs])[:self.batch_size]
         select_B, keep_B = self._rows(rounds, groups, num_kept)
+        assembled_at = time.perf_counter()
         parts = [tuple(self.to_trainer(x) for x in (
             r.prompt_tokens, r.prompt_lengths, r.rollout.tokens, r.rollout.lengths,
             r.rollout.logprobs, shaped)) for r, shaped in zip(rounds, rewards)]
@@ -149,7 +152,7 @@ class Collector:
             "time/reward_s": sum(r.reward_s for r in rounds)})
         if self.count_errors:
             metrics["reward/errors"] = sum(self._errors(r.scores, r.row_ids) for r in rounds)
-        return Collected(batch, rewards_B, metrics)
+        return Collected(batch, rewards_B, metrics, assembled_at)
 
     def _select(self, rewards_B: jax.Array, r: Round) -> tuple[np.ndarray, np.ndarray]:
         """`select_groups` of a round; under dynamic sampling the host receives the P

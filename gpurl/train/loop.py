@@ -24,7 +24,7 @@ import yaml
 
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
-from gpurl.config import Config, ConfigError, to_dict
+from gpurl.config import Config, ConfigError, to_dict, upgrade
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import batch_divisor, trainer_mesh
 from gpurl.models import count_params, loading
@@ -77,7 +77,7 @@ def _prepare_run_dir(run_dir: Path, cfg: Config, resuming: bool, sink_msg) -> No
     path = run_dir / "config.yaml"
     current = to_dict(cfg)
     if resuming and path.exists():
-        before = yaml.safe_load(path.read_text()) or {}
+        before = upgrade(yaml.safe_load(path.read_text()) or {})  # older runs: moved keys
         changed = [f"{g}.{k}: {before.get(g, {}).get(k)!r} -> {v!r}"
                    for g, sec in current.items() if isinstance(sec, dict)
                    for k, v in sec.items() if before.get(g, {}).get(k) != v]

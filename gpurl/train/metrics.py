@@ -39,8 +39,9 @@ class DeviceTimer:
     waited before the metrics are read, on reading (`float`). `exclude` takes out host
     time spent on other work meanwhile (a rollout overlapped with training)."""
 
-    def __init__(self, value: Any):
-        self.start, self.value, self.end, self.excluded = time.perf_counter(), value, None, 0.0
+    def __init__(self, value: Any, start: float | None = None):
+        self.start = time.perf_counter() if start is None else start
+        self.value, self.end, self.excluded = value, None, 0.0
 
     def exclude(self, seconds: float) -> None:
         self.excluded += seconds
@@ -55,6 +56,18 @@ class DeviceTimer:
             jax.block_until_ready(self.value)
             self.observe()
         return max(self.end - self.start - self.excluded, 0.0)
+
+
+class Sum:
+    """A metric adding values that may live on different devices (under split placement
+    the rollout's metrics on the rollout devices, the prepare step's on the trainer's): added
+    on the host when the loop reads it."""
+
+    def __init__(self, *values: Any):
+        self.values = values
+
+    def __float__(self) -> float:
+        return sum(float(v) for v in self.values)
 
 
 class MetricsSink:

@@ -35,7 +35,7 @@ from gpurl.rollout.decode import local_rows
 from gpurl.rollout.engine import Round, RolloutEngine
 from gpurl.rollout.prompts import Prompts, encode_prompts
 from gpurl.rollout.sampler import MIN_PROMPT_BUCKET, bucket
-from gpurl.train.metrics import DeviceTimer
+from gpurl.train.metrics import DeviceTimer, Sum
 from gpurl.train.step import TrainState
 from gpurl.train.stepper import Setup, Stepper
 from gpurl.train.weights import initial_policy, load_reward_model
@@ -150,12 +150,12 @@ class RLStepper(Stepper):
         for _ in range(self.algo.num_iterations):
             state, metrics = self.setup.step_fn(state, batch)  # dispatched, not awaited
             nonfinite = nonfinite + metrics["nonfinite"]  # updates left out, all iterations
-        self._timer = DeviceTimer(nonfinite)
+        self._timer = DeviceTimer(nonfinite, start=got.assembled_at)  # assembly + prepare + train
         metrics = {**metrics, **prepared, **got.metrics, "nonfinite": nonfinite,
                    "time/sync_s": t_sync, "time/train_s": self._timer}
-        if "reward/model" in prepared:  # scored on device, after the functions
+        if "reward/model" in prepared:  # scored on the trainer mesh, after the functions
             for key in ("reward/mean", "reward/batch_mean"):
-                metrics[key] = metrics[key] + prepared["reward/model"]
+                metrics[key] = Sum(metrics[key], prepared["reward/model"])
         if self.overlap:  # the next step's round 0, sampled while this step trains
             metrics["time/overlapped_rollout_s"] = self._prefetch(params, step)
             self._timer.exclude(metrics["time/overlapped_rollout_s"])
