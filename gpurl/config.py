@@ -378,7 +378,7 @@ class ModelConfig:
 
     name: str = "tiny"  # preset name (see configs/model/)
     family: str = "gemma"  # architecture family (a file of gpurl/models/families/): gemma, gemma2, gemma3, llama, qwen2, qwen3
-    checkpoint: Optional[str] = None  # HF safetensors dir or .gguf file; null = random init (gemma3_270m: the GGUF package)
+    checkpoint: Optional[str] = None  # HF safetensors dir or .gguf file; null = the preset's packaged weights (gemma3_270m: the GGUF package), else random where model.init allows
     vocab_size: int = 512  # rows of the embedding (>= the tokenizer's vocabulary)
     d_model: int = 64  # residual width D
     num_layers: int = 2  # decoder blocks L
@@ -411,6 +411,14 @@ class ModelConfig:
     param_dtype: str = "float32"  # dtype of stored parameters and optimizer moments
     attention: str = "auto"  # attention kernel: auto (cudnn, else pallas, on GPU; xla on CPU), xla, cudnn, pallas
     init_std: float = 0.02  # std of the random normal init of projections
+    # where the weights come from: checkpoint (model.checkpoint, or the preset's packaged
+    # weights; without either the run stops: the real-model presets), random (drawn from
+    # train.seed: tests, benchmarks), or auto (a checkpoint when there is one, else random)
+    init: str = "auto"
+    # what the backward pass keeps of each layer (the rest is recomputed): auto (full on
+    # accelerators, none on CPU), none, full (only the layer's input), dots (matmul outputs
+    # too), qkv (the q, k, v projections too)
+    remat: str = "auto"
     tokenizer: str = "auto"  # auto (the checkpoint's, else bytes), bytes (built-in byte-level), or a tokenizer.json path
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.rank > 0 turns them on)
 
@@ -427,6 +435,11 @@ class ModelConfig:
         _choice("model.dtype", self.dtype, ("auto",) + DTYPES)
         _choice("model.param_dtype", self.param_dtype, DTYPES)
         _choice("model.attention", self.attention, ("auto", "xla", "cudnn", "pallas"))
+        _choice("model.init", self.init, ("auto", "checkpoint", "random"))
+        _choice("model.remat", self.remat, ("auto", "none", "full", "dots", "qkv"))
+        if self.init == "random" and self.checkpoint is not None:
+            raise ConfigError(f"model.init=random draws random weights but model.checkpoint="
+                              f"{self.checkpoint} is set; drop one of the two.")
 
     def is_global(self, layer: int) -> bool:
         """Whether `layer` attends to the whole context (else to `sliding_window` tokens)."""
@@ -497,8 +510,8 @@ class OptimConfig:
     b2: float = 0.999  # Adam beta2
     eps: float = 1e-8  # Adam epsilon
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0 = no clipping
-    # regexes over parameter paths like "embed/embedding" or "blocks/3/mlp/up": matching
-    # parameters are not trained (no gradient, no optimizer state); [] = train everything
+    # regexes over parameter paths like "embed" or "blocks/mlp/up" (the layers are stacked,
+    # so a block path names that parameter in every layer): matching parameters are not trained (no gradient, no optimizer state); [] = train everything
     freeze: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -672,6 +685,22 @@ class RewardsConfig:
 
 
 @dataclass(frozen=True)
+class PlanConfig:
+    """The memory plan: every program of a run compiled ahead of time, nothing allocated
+    (`gpurl plan` prints it; `gpurl train` checks it before it allocates anything)."""
+
+    devices: int = 0  # gpurl plan: simulate this many CPU devices (8 = an 8-GPU node); 0 = the devices there are
+    device_memory_gb: float = 0.0  # memory of one device in GiB; 0 = the device's own (CPU: host RAM / local devices; simulated: 80)
+    check: bool = True  # gpurl train stops with one sentence when a program does not fit
+    prompt_len: int = 0  # gpurl plan, RL: plan for prompts of this many tokens; 0 = the data's longest
+
+    def __post_init__(self) -> None:
+        _positive("plan.devices", self.devices, allow_zero=True)
+        _positive("plan.device_memory_gb", self.device_memory_gb, allow_zero=True)
+        _positive("plan.prompt_len", self.prompt_len, allow_zero=True)
+
+
+@dataclass(frozen=True)
 class Config:
     algo: AlgoConfig = field(default_factory=SFTConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -684,6 +713,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 @dataclass(frozen=True)

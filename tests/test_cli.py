@@ -91,6 +91,7 @@ def test_process_reports_typo_in_one_line_and_exit_code_2():
         "run `gpurl train --cfg job` to list every key."]
 
 
+@pytest.mark.slow
 def test_help_lists_groups_and_cfg_prints_config():
     help_text = _gpurl("train", "--help").stdout
     for group in ("algo:", "model:", "data:", "optim:", "train:", "rollout:", "mesh:",

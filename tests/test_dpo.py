@@ -240,6 +240,7 @@ def test_pair_logps_equal_full_sequence_forward():
         np.testing.assert_allclose(logp_Px2[r // 2, r % 2], lp.sum(), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_micro_batches_add_up():
     """DPO's gradients and metrics of 4 micro-batches of 2 pairs equal one batch of 8."""
     spec, place, params = _model_pieces()

@@ -15,6 +15,7 @@ from gpurl.commands.generate import generate
 TINY = ["model=tiny", "rollout.max_new_tokens=6", "rollout.temperature=0"]
 
 
+@pytest.mark.slow
 def test_command_line_prompt_with_spaces_and_equals_is_free_text():
     cfg = validate(["prompt=12 + 7 = it's", "n=3", "rollout.stop=[\\n]"], APPS["generate"])
     assert (cfg.prompt, cfg.n, cfg.model.name, cfg.rollout.stop) == ("12 + 7 = it's", 3, "gemma3_270m", ("\n",))

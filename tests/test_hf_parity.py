@@ -75,7 +75,7 @@ def _record(case: Case, check: str, diff: float) -> None:
 
 
 def test_params_are_sharded_over_the_mesh(case: Case) -> None:
-    q = case.params["blocks"][0]["attn"]["q"]
+    q = case.params["blocks"]["attn"]["q"]
     assert q.dtype == jnp.float32 and len(q.sharding.device_set) == 4
     assert not q.sharding.is_fully_replicated
 

@@ -28,6 +28,7 @@ def _tokens(t: int = 12):
     return tokens, jnp.arange(t)[None], jnp.ones((1, t), jnp.int32)
 
 
+@pytest.mark.slow
 def test_fresh_adapters_leave_the_base_model_exactly_and_targets_select_by_path():
     cfg = ModelConfig(**TINY_MODEL, lora=LORA)
     spec, base = model_spec(cfg), model_spec(lora.base_config(cfg))
@@ -47,8 +48,8 @@ def test_fresh_adapters_leave_the_base_model_exactly_and_targets_select_by_path(
     with pytest.raises(ConfigError, match="'embed' matches no projection"):
         lora.target_paths(dataclasses.replace(cfg, lora=dataclasses.replace(LORA, targets=("embed",))))
     frozen = lora.frozen_base({"policy": params, "critic": {"score": 0.0}})
-    assert frozen["policy"]["blocks"][0]["attn"]["q"] and frozen["policy"]["embed"]
-    assert not frozen["policy"]["blocks"][0]["attn"]["q_lora"]["b"] and not frozen["critic"]["score"]
+    assert frozen["policy"]["blocks"]["attn"]["q"] and frozen["policy"]["embed"]
+    assert not frozen["policy"]["blocks"]["attn"]["q_lora"]["b"] and not frozen["critic"]["score"]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,8 @@ def test_lora_sft_learns_and_checkpoints_only_adapters(sft_run):
     adapter_sizes = sorted(int(np.prod(x.shape)) for p, x in
                            jax.tree_util.tree_flatten_with_path(spec.abstract_params)[0]
                            if lora.SUFFIX + "/" in lora.param_path(p))
-    assert len(adapter_sizes) == 2 * 7 * cfg.model.num_layers
+    # an A and a B per projection, each stacked over the layers
+    assert len(adapter_sizes) == 2 * 7 and all(s % cfg.model.num_layers == 0 for s in adapter_sizes)
     meta = ocp.StandardCheckpointer().metadata(run / "checkpoints" / "10" / "state")
     arrays = {k: v.shape for k, v in (getattr(meta, "item_metadata", None) or meta).items()
               if len(v.shape)}
@@ -90,7 +92,7 @@ def test_lora_sft_learns_and_checkpoints_only_adapters(sft_run):
     assert sorted(int(np.prod(s)) for s in moments.values()) == sorted(adapter_sizes * 2)
 
     assert lora.has_adapters(restored)
-    b = restored["blocks"][0]["mlp"]["down_lora"]["b"]
+    b = restored["blocks"]["mlp"]["down_lora"]["b"]
     assert float(jnp.abs(b).max()) > 0  # trained away from zero
 
 
@@ -169,3 +171,24 @@ def test_lora_grpo_two_processes_split_match_one_process(tmp_path):
         for key in ("reward/mean", "loss", "kl", "grad_norm"):
             if key in a:
                 np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_adapters_of_untargeted_layers_change_nothing_and_get_no_gradient():
+    """Layers are stacked, so layer 0 carries an attn/q adapter when only layer 1's is
+    targeted; its term is zeroed: setting its B changes no logit, and it gets no gradient."""
+    cfg = ModelConfig(**TINY_MODEL, lora=dataclasses.replace(LORA, targets=("blocks/1/attn/q",)))
+    spec = model_spec(cfg)
+    params = jax.jit(lambda: spec.init(0))()
+    adapter = params["blocks"]["attn"]["q_lora"]
+    assert not np.asarray(adapter["a"][0]).any() and np.asarray(adapter["a"][1]).any()
+    tokens = _tokens()
+    before = jax.jit(spec.apply)(params, *tokens)
+    b = adapter["b"].at[0].set(1.0)
+    moved = dict(params, blocks=dict(params["blocks"], attn=dict(
+        params["blocks"]["attn"], q_lora={"a": adapter["a"].at[0].set(1.0), "b": b})))
+    np.testing.assert_array_equal(np.asarray(jax.jit(spec.apply)(moved, *tokens)),
+                                  np.asarray(before))
+    grads = jax.grad(lambda p: jax.jit(spec.apply)(p, *tokens).sum())(moved)
+    g = grads["blocks"]["attn"]["q_lora"]
+    assert not np.asarray(g["a"][0]).any() and not np.asarray(g["b"][0]).any()
+    assert np.asarray(g["b"][1]).any()

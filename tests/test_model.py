@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import TINY_MODEL, make_config
 from gpurl.kernels.attention import attention
@@ -68,3 +69,50 @@ def test_grouped_query_attention_equals_repeated_heads():
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     np.testing.assert_allclose(gqa[0, :, 0], p @ np.asarray(v[0, :, 0]), atol=1e-5)
+
+
+# ---------------------------------------------------------------- the scanned stack
+
+# Gemma 3's pattern on a tiny stack: 2 sliding-window layers with their own RoPE base per
+# global one, a window shorter than the sequence, 5 layers (the pattern does not divide them).
+PATTERNED = dict(TINY_MODEL, family="gemma3", num_layers=5, post_norms=True, qk_norm=True,
+                 sliding_window=3, global_every=3, rope_local_theta=100.0, rope_theta=1e4)
+
+
+def _unrolled_logits(spec, params, tokens, positions, segments):
+    """The same model layer by layer in Python (the reference the scan must equal)."""
+    from flax import nnx
+
+    from gpurl.models.transformer import layer_kinds
+
+    model = nnx.merge(spec.graphdef, params)
+    graphdef, stacked = nnx.split(model.blocks)
+    x = jnp.take(model.embed[...], tokens, axis=0) * jnp.sqrt(jnp.float32(spec.cfg.d_model))
+    for i, kind in enumerate(layer_kinds(spec.cfg)[1]):
+        block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+        x, _, _ = block(x, positions, segments, jnp.int32(kind), jnp.int32(i), None)
+    return model.logits(model.final_norm(x))
+
+
+def _loss(apply, tokens, positions, segments):
+    def loss(params):
+        logits = apply(params, tokens, positions, segments)
+        return jax.nn.log_softmax(logits)[..., 5].mean()
+    return loss
+
+
+@pytest.mark.slow
+def test_scanned_layers_equal_unrolled_ones_and_every_remat_policy_equals_none():
+    inputs = _inputs(np.random.default_rng(3).integers(3, 259, (2, 11)))
+    for fields in (PATTERNED,):  # one kind alone: the transformers parity tests
+        specs = {r: model_spec(make_config(model=dict(fields, remat=r)).model)
+                 for r in ("none", "full", "dots", "qkv")}
+        params = jax.jit(lambda: specs["none"].init(0))()
+        assert params["blocks"]["attn"]["q"].shape[0] == specs["none"].cfg.num_layers
+        want_loss, want_grads = jax.jit(jax.value_and_grad(
+            _loss(lambda *a: _unrolled_logits(specs["none"], *a), *inputs)))(params)
+        for remat, spec in specs.items():
+            got_loss, got_grads = jax.jit(jax.value_and_grad(_loss(spec.apply, *inputs)))(params)
+            np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, err_msg=remat)
+            for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=remat)

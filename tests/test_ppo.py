@@ -256,7 +256,7 @@ def test_reward_model_trains_matches_transformers_and_drives_ppo(tmp_path):
     np.testing.assert_allclose(got, want, atol=2e-5)
 
     _letter_prompts(tmp_path / "prompts.jsonl", 72, seed=3)
-    cfg = ppo_config(tmp_path, "ppo_rm", steps=15, rewards=("test_ppo:letters",),
+    cfg = ppo_config(tmp_path, "ppo_rm", steps=25, rewards=("test_ppo:letters",),
                      data={"name": "jsonl", "path": str(tmp_path / "prompts.jsonl"),
                            "num_eval": 8, "max_len": 16},
                      reward_weights=(0.0,), reward_model=str(out))  # letters: reported only

@@ -338,3 +338,39 @@ def test_the_command_line_prints_such_errors_as_one_line(tmp_path, monkeypatch, 
               "train=default", f"run.dir={tmp_path}"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"gpurl: error: {error}"]
+
+
+def test_a_checkpoint_of_per_layer_parameters_restores_stacked(tmp_path):
+    """Checkpoints of earlier versions hold one entry per layer ("params.blocks.1.attn.q",
+    and the same under the optimizer's moments); they restore into the stacked layout."""
+    import orbax.checkpoint as ocp
+
+    from gpurl.train.checkpoint import _flat
+    from gpurl.train.step import make_init
+
+    cfg = make_config(model=TINY_MODEL)
+    spec, optimizer = model_spec(cfg.model), make_optimizer(cfg.optim, cfg.train.steps)
+    place = placement(spec, optimizer, trainer_mesh(MeshConfig(data=1, fsdp=2), jax.devices()[:2]),
+                      cfg.mesh.train_rules)
+    state = make_init(spec, optimizer, place, seed=0)()
+    state = state.replace(params=jax.tree.map(lambda x: x + 1.0, state.params))  # not the init
+    old = {}
+    for key, value in _flat(state).items():
+        if ".blocks." in key:
+            head, _, tail = key.partition(".blocks.")
+            old.update({f"{head}.blocks.{i}.{tail}": value[i] for i in range(value.shape[0])})
+        else:
+            old[key] = value
+    assert any(".blocks.1." in k for k in old) and sum(".mu.blocks.0." in k for k in old) > 3
+    manager = ocp.CheckpointManager(tmp_path, item_names=("state", "meta"))
+    manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(old),
+                                            meta=ocp.args.JsonSave({"step": 3})))
+    manager.wait_until_finished()
+    manager.close()
+    ckpt = Checkpointer(tmp_path, keep=2)
+    restored, meta = ckpt.restore(3, place.abstract_state, place.state)
+    ckpt.close()
+    assert meta == {"step": 3}
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert restored.params["blocks"]["attn"]["q"].sharding == place.state.params["blocks"]["attn"]["q"]

@@ -399,6 +399,7 @@ def test_empty_prompt_is_a_clear_error(gemma2: Tiny) -> None:
 # ----------------------------------------------------------------------- compile count
 
 
+@pytest.mark.slow
 def test_compiles_bounded_by_buckets() -> None:
     """30 calls over batch sizes 1..8 and prompt lengths 1..60 on a data=4 mesh: batches pad
     to 4 or 8 rows, prompts to 16, 32 or 64 tokens, so at most 2 x 3 = 6 programs."""

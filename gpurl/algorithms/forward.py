@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from gpurl.algorithms.objective import Batch
 from gpurl.kernels.logprob import chunked_token_logprobs
-from gpurl.models.transformer import init_cache
 
 
 def shifted_targets(batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -41,8 +40,8 @@ def group_states(spec: Any, params: Any, batch: Batch) -> jax.Array:
     state after the whole completion (where a reward model reads its score).
 
     The G completions of a prompt share it, so the prompt goes through the model once per
-    group: its forward pass fills a KV cache that is repeated G times, and the completions
-    run on top of it (positions continue each prompt; padding slots are masked). Gradients
+    group: its forward pass keeps every layer's keys and values (`PromptKV`), which the
+    G completions attend to (positions continue each prompt; padding slots are masked). Gradients
     flow through the shared prompt keys and values, so this is the exact gradient of the
     full-sequence forward at a fraction of the cost (prompts are often 10x longer than
     the completions).
@@ -55,14 +54,12 @@ def group_states(spec: Any, params: Any, batch: Batch) -> jax.Array:
     w = prompt_PxW.shape[1]
     pos_PxW = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (p, w))
     seg_PxW = (pos_PxW < plen_P[:, None]).astype(jnp.int32)
-    cache = init_cache(spec.cfg, p, w + n)
-    hidden_PxWxD, cache = spec.hidden(params, prompt_PxW, pos_PxW, seg_PxW, cache)
+    hidden_PxWxD, prompt = spec.prompt_kv(params, prompt_PxW, pos_PxW, seg_PxW, g)
     last_PxD = jnp.take_along_axis(hidden_PxWxD, (plen_P - 1)[:, None, None], axis=1)[:, 0]
-    cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
     comp_BxN = comp_PxGxN.reshape(p * g, n)
     pos_BxN = jnp.repeat(plen_P, g)[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
     seg_BxN = (jnp.arange(n)[None] < batch["completion_lengths"].reshape(-1, 1)).astype(jnp.int32)
-    hidden_BxNxD, _ = spec.hidden(params, comp_BxN, pos_BxN, seg_BxN, cache)
+    hidden_BxNxD, _ = spec.hidden(params, comp_BxN, pos_BxN, seg_BxN, prompt)
     return jnp.concatenate([jnp.repeat(last_PxD, g, axis=0)[:, None], hidden_BxNxD], axis=1)
 
 

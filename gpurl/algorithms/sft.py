@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from gpurl.algorithms.forward import shifted_targets
 from gpurl.algorithms.objective import Batch, Objective
 from gpurl.config import RolloutConfig, SFTConfig
+from gpurl.kernels.logprob import chunked_head
 
 
 def token_nll(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
@@ -33,10 +34,17 @@ def objective(cfg: SFTConfig, rollout: RolloutConfig) -> Objective:
     def normalizer(batch: Batch) -> jax.Array:
         return jnp.maximum(shifted_targets(batch)[1].sum(), 1.0)
 
+    def stats(logits_BxCxV: jax.Array, targets_BxC: jax.Array) -> tuple[jax.Array, jax.Array]:
+        nll_BxC, correct_BxC = token_nll(logits_BxCxV, targets_BxC, cfg.label_smoothing)
+        return nll_BxC, correct_BxC.astype(jnp.float32)
+
     def loss(spec, params: Any, batch: Batch, norm: jax.Array):
-        logits_BxTxV = spec.apply(params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        hidden_BxTxD, _ = spec.hidden(params, batch["tokens"], batch["positions"],
+                                      batch["segment_ids"])
         targets_BxT, mask_BxT = shifted_targets(batch)
-        nll_BxT, correct_BxT = token_nll(logits_BxTxV[:, :-1], targets_BxT, cfg.label_smoothing)
+        # The head runs chunk by chunk: B x T x V logits never exist (`chunked_head`).
+        nll_BxT, correct_BxT = chunked_head(spec.logits, params, hidden_BxTxD[:, :-1],
+                                            targets_BxT, stats)
         loss_sum = (nll_BxT * mask_BxT).sum()
         metrics = {"loss": loss_sum / norm,
                    "token_accuracy": (correct_BxT * mask_BxT).sum() / norm,

@@ -27,6 +27,7 @@ from gpurl.cli.sweep import SWEEP_JOB_FILE, sweep_summary_callback, write_sweep_
 from gpurl.commands.evaluate import evaluate
 from gpurl.commands.export import export_run
 from gpurl.commands.generate import generate
+from gpurl.commands.plan import plan
 from gpurl.config import ConfigError, EvalConfig, GenerateConfig
 from gpurl.distributed import runtime
 from gpurl.rewards import RewardError
@@ -39,6 +40,7 @@ __all__ = ["APPS", "App", "config_dir", "main", "sweep_summary_callback", "valid
 
 SUBCOMMANDS = {
     "train": "train with the composed config (resumes from run.dir)",
+    "plan": "plan [train overrides] [plan.devices=8]: per-device memory of every program, nothing allocated",
     "generate": "generate [model=NAME] prompt=TEXT [n=4] (or prompts_file=F): print completions",
     "eval": "eval [model=NAME] [data=NAME] [checkpoint=RUN_DIR]: held-out accuracy and pass@k",
     "export": "export checkpoint=RUN_DIR out=DIR [step=N]: write an HF safetensors directory",
@@ -83,7 +85,14 @@ def _eval_job(cfg_node: Any) -> None:
         _fail(str(e))
 
 
-JOBS = {"train": _train_job, "generate": _generate_job, "eval": _eval_job}
+def _plan_job(cfg_node: Any) -> None:
+    try:
+        plan(to_config(cfg_node))
+    except ConfigError as e:
+        _fail(str(e))
+
+
+JOBS = {"train": _train_job, "plan": _plan_job, "generate": _generate_job, "eval": _eval_job}
 
 
 def _fail(message: str) -> typing.NoReturn:
@@ -93,6 +102,8 @@ def _fail(message: str) -> typing.NoReturn:
 
 def _run_hydra(subcommand: str, args: list[str]) -> None:
     register_schemas()
+    if subcommand == "plan":  # the train config's hydra.run.dir is run.dir: plan writes nothing
+        args = [*args, "hydra.run.dir=."]
     sys.argv = [f"gpurl {subcommand}", *args]
     hydra.main(config_path=str(config_dir()), config_name=APPS[subcommand].config_name,
                version_base="1.3")(JOBS[subcommand])()

@@ -73,6 +73,7 @@ class App:
 
 
 APPS = {"train": App("train", "config", Config),
+        "plan": App("plan", "config", Config),  # gpurl train's config, planned not run
         "generate": App("generate", "generate", GenerateConfig),
         "eval": App("eval", "eval", EvalConfig)}
 

@@ -120,10 +120,46 @@ def attention(
     return _IMPLEMENTATIONS[implementation](*args, scale=scale, softcap=softcap, window=window)
 
 
+# fp32 attention logits of one query chunk of `xla` (B x H x chunk x S); see `query_chunk`.
+CHUNK_BYTES = 256 * 2**20
+
+
+def query_chunk(b: int, t: int, h: int, s: int) -> int:
+    """Queries per chunk of `xla` attention: all T when the B x H x T x S fp32 logits fit
+    in `CHUNK_BYTES`, else the power of two (at least 16) whose chunk does. A long
+    sequence's logits then never exist whole, forward or backward (each chunk is
+    rematerialized): 4,096 tokens x 16 heads take 1 GiB per logits-sized array, and the
+    backward pass keeps several."""
+    per_query = 4 * b * h * s
+    if t * per_query <= CHUNK_BYTES:
+        return t
+    return max(16, 1 << max(CHUNK_BYTES // per_query, 1).bit_length() - 1)
+
+
 def _xla(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, q_pos_BxT, q_seg_BxT, kv_pos_BxS, kv_seg_BxS, *,
          scale, softcap, window):
-    mask_BxTxS = attention_mask(q_pos_BxT, kv_pos_BxS, q_seg_BxT, kv_seg_BxS, window)
-    return _xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS, scale, softcap)
+    b, t, h, e = q_BxTxHxE.shape
+    c = query_chunk(b, t, h, k_BxSxKxE.shape[1])
+
+    def part(q_BxCxHxE, q_pos_BxC, q_seg_BxC):
+        mask_BxCxS = attention_mask(q_pos_BxC, kv_pos_BxS, q_seg_BxC, kv_seg_BxS, window)
+        return _xla_attention(q_BxCxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxCxS, scale, softcap)
+
+    if c >= t:
+        return part(q_BxTxHxE, q_pos_BxT, q_seg_BxT)
+    # Query chunks in a `lax.map`, each rematerialized: every query still sees every key,
+    # so this is the same softmax, row by row. Padded queries have segment 0 (no key).
+    n = -(-t // c)
+    pad = n * c - t
+
+    def chunks(x):  # B x T x ... -> n x B x c x ...
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return x.reshape(b, n, c, *x.shape[2:]).swapaxes(0, 1)
+
+    out_NxBxCxHxE = jax.lax.map(
+        lambda xs: jax.checkpoint(part, prevent_cse=False)(*xs),
+        (chunks(q_BxTxHxE), chunks(q_pos_BxT), chunks(q_seg_BxT)))
+    return out_NxBxCxHxE.swapaxes(0, 1).reshape(b, n * c, h, e)[:, :t]
 
 
 def _xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS, scale, softcap):

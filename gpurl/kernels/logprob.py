@@ -48,7 +48,7 @@ def default_chunk_size(vocab_size: int) -> int:
     return 2 ** int(math.log2(tokens))
 
 
-def _stats(logits_TxV: jax.Array, targets_T: jax.Array, temperature: float,
+def _stats(logits_TxV: jax.Array, targets_T: jax.Array, temperature: float = 1.0,
            differentiable_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
     """log p(target) and the entropy of softmax(logits / temperature), both fp32.
 
@@ -89,7 +89,21 @@ def chunked_token_logprobs(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.A
                            chunk_size: int | None = None,
                            differentiable_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
     """(log p(targets), entropy), each B x T fp32, equal to `token_logprobs_reference` but
-    with the logits of at most ~`chunk_size` tokens alive at once, forward and backward.
+    with the logits of at most ~`chunk_size` tokens alive at once, forward and backward
+    (`chunked_head`). Differentiable in `params` and `hidden_BxTxD`; the entropy is a
+    stop-gradient metric unless `differentiable_entropy` (see `_stats`)."""
+    temperature = _temperature(temperature)
+    return chunked_head(logits_fn, params, hidden_BxTxD, targets_BxT,
+                        functools.partial(_stats, temperature=temperature,
+                                          differentiable_entropy=differentiable_entropy),
+                        chunk_size)
+
+
+def chunked_head(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.Array,
+                 targets_BxT: jax.Array, stats: Callable[..., tuple[jax.Array, ...]],
+                 chunk_size: int | None = None) -> tuple[jax.Array, ...]:
+    """`stats(logits_BxCxV, targets_BxC)` (a tuple of per-token B x C arrays) over all T
+    tokens, with the logits of at most ~`chunk_size` tokens alive at once.
 
     `chunk_size` counts tokens over the whole batch; None picks `default_chunk_size(V)`.
     Chunks are slices of the T axis taken from every row (B x c tokens, c = ceil(T /
@@ -97,10 +111,8 @@ def chunked_token_logprobs(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.A
     rounding up, and at least B), never slices of B: rows stay split over the data axes
     of the mesh, and every device computes the head for its own rows only. T is padded
     with zeros up to a multiple of c; padded tokens are dropped from the outputs and get
-    no gradient. Differentiable in `params` and `hidden_BxTxD`; the entropy is a
-    stop-gradient metric unless `differentiable_entropy` (see `_stats`)."""
+    no gradient."""
     b, t, _ = hidden_BxTxD.shape
-    temperature = _temperature(temperature)
     if chunk_size is None:
         vocab = jax.eval_shape(logits_fn, params, hidden_BxTxD[:1, :1]).shape[-1]
         chunk_size = default_chunk_size(vocab)
@@ -117,17 +129,15 @@ def chunked_token_logprobs(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.A
 
     # prevent_cse=False: scan already keeps XLA from merging the recomputation away.
     @functools.partial(jax.checkpoint, prevent_cse=False)
-    def chunk(params: Any, hidden_BxCxD: jax.Array,
-              targets_BxC: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return _stats(logits_fn(params, hidden_BxCxD), targets_BxC, temperature,
-                      differentiable_entropy)
+    def chunk(params: Any, hidden_BxCxD: jax.Array, targets_BxC: jax.Array) -> tuple:
+        return stats(logits_fn(params, hidden_BxCxD), targets_BxC)
 
     def body(carry: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, Any]:
         return carry, chunk(params, *xs)
 
-    _, (logp_JxBxC, entropy_JxBxC) = jax.lax.scan(body, None, (hidden_JxBxCxD, targets_JxBxC))
+    _, out_JxBxC = jax.lax.scan(body, None, (hidden_JxBxCxD, targets_JxBxC))
 
     def unchunk(x_JxBxC: jax.Array) -> jax.Array:
         return x_JxBxC.swapaxes(0, 1).reshape(b, n * c)[:, :t]
 
-    return unchunk(logp_JxBxC), unchunk(entropy_JxBxC)
+    return tuple(unchunk(x) for x in out_JxBxC)

@@ -373,33 +373,39 @@ _NOT_PARAMS = {"rope_freqs.weight"}
 _FIX = "let model_config_from_gguf set the architecture (do not override it)"
 
 
-def _tensor_for(path: tuple[Any, ...]) -> tuple[str, _Layout]:
-    if path[0] == "blocks" and path[2:] in _BLOCK_TENSORS:
-        name, layout = _BLOCK_TENSORS[path[2:]]
-        return f"blk.{path[1]}.{name}", layout
+def _tensors_for(path: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[list[str] | None, str, _Layout]:
+    """(the GGUF tensor of each layer of a stacked block parameter, or None, the tensor of
+    any other parameter, its layout)."""
+    if path[0] == "blocks" and path[1:] in _BLOCK_TENSORS:
+        name, layout = _BLOCK_TENSORS[path[1:]]
+        return [f"blk.{layer}.{name}" for layer in range(shape[0])], name, layout
     if path in _TOP_TENSORS:
-        return _TOP_TENSORS[path]
+        name, layout = _TOP_TENSORS[path]
+        return None, name, layout
     raise ConfigError(f"The model has a parameter {'.'.join(map(str, path))} that no GGUF tensor "
                       f"maps to; {_FIX}.")
 
 
-def _plan(gguf: GGUFFile, abstract: Params) -> list[tuple[str, _Layout]]:
-    """(tensor, layout) per leaf in flatten order, all checked before any tensor is read."""
+def _plan(gguf: GGUFFile, abstract: Params) -> list[tuple[list[str] | None, str, _Layout]]:
+    """`_tensors_for` per leaf in flatten order, all checked before any tensor is read."""
     plan = []
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in key_path)
         param = ".".join(map(str, path))
-        name, layout = _tensor_for(path)
-        entry, want = gguf.tensors.get(name), layout.source(leaf.shape)
-        if entry is None:
-            raise ConfigError(f"{gguf.path} has no tensor {name} for the parameter {param}; "
-                              f"{_FIX}.")
-        if entry.shape != want:
-            raise ConfigError(f"Tensor {name} in {gguf.path} has shape {entry.shape} but the "
-                              f"parameter {param} needs {want}; {_FIX}.")
-        _quant_type(entry, gguf.path)
-        plan.append((name, layout))
-    unused = sorted(set(gguf.tensors) - {name for name, _ in plan} - _NOT_PARAMS)
+        layers, name, layout = _tensors_for(path, leaf.shape)
+        want = layout.source(leaf.shape if layers is None else leaf.shape[1:])
+        for name in layers or [name]:
+            entry = gguf.tensors.get(name)
+            if entry is None:
+                raise ConfigError(f"{gguf.path} has no tensor {name} for the parameter {param}; "
+                                  f"{_FIX}.")
+            if entry.shape != want:
+                raise ConfigError(f"Tensor {name} in {gguf.path} has shape {entry.shape} but the "
+                                  f"parameter {param} needs {want}; {_FIX}.")
+            _quant_type(entry, gguf.path)
+        plan.append((layers, name, layout))
+    used = {name for layers, name, _ in plan for name in layers or [name]}
+    unused = sorted(set(gguf.tensors) - used - _NOT_PARAMS)
     if unused:
         raise ConfigError(f"{gguf.path} holds tensors the model has no parameter for "
                           f"({', '.join(unused[:4])}); {_FIX}.")
@@ -410,19 +416,25 @@ def load_gguf_params(path: str | Path, spec: ModelSpec, shardings: Any) -> Param
     """The file's weights in gpurl's layout, cast to param_dtype and placed by `shardings`.
 
     `shardings` has the structure of `spec.abstract_params` with a `jax.sharding.Sharding`
-    per leaf; every process reads the file and keeps its own shards.
+    per leaf; every process reads the file and keeps its own shards. A stacked layer
+    parameter is filled layer by layer, so host memory peaks near one parameter of all
+    layers on top of the model.
     """
     gguf = read_gguf(path)
     arch = _arch(gguf)
     plan = _plan(gguf, spec.abstract_params)
     leaves, treedef = jax.tree_util.tree_flatten(spec.abstract_params)
     arrays = []
-    for (name, layout), abstract, sharding in zip(plan, leaves, treedef.flatten_up_to(shardings)):
-        w = layout.convert(gguf.tensor(name), abstract.shape, arch)
-        host = np.ascontiguousarray(w, dtype=abstract.dtype)
+    for (layers, name, layout), abstract, sharding in zip(plan, leaves,
+                                                           treedef.flatten_up_to(shardings)):
+        host = np.empty(abstract.shape, abstract.dtype)
+        if layers is None:
+            host[...] = layout.convert(gguf.tensor(name), abstract.shape, arch)
+        for layer, name in enumerate(layers or []):  # dequantized and freed one by one
+            host[layer] = layout.convert(gguf.tensor(name), abstract.shape[1:], arch)
         arrays.append(
             jax.make_array_from_callback(abstract.shape, sharding, lambda i, h=host: h[i]))
-        del w, host  # freed before the next tensor is dequantized
+        del host
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
 

@@ -188,13 +188,20 @@ def _rope_fields(hf: dict[str, Any], fam: HFFamily, has_local: bool, source: str
 
 @dataclass(frozen=True)
 class HFTensor:
-    """One parameter: its path in gpurl's tree, its HF name and shape, and whether
-    gpurl stores it transposed (a linear layer: HF [out, in], gpurl [in, ...out])."""
+    """One HF tensor: the parameter of gpurl's tree it is (with `layer`, that layer's slice
+    of a stacked parameter), its HF name and shape, and whether gpurl stores it transposed
+    (a linear layer: HF [out, in], gpurl [in, ...out])."""
 
     path: tuple[Any, ...]
     name: str
     shape: tuple[int, ...]
     transpose: bool = False
+    layer: int | None = None
+
+    def host_value(self, leaf: np.ndarray) -> np.ndarray:
+        """This tensor in HF's layout from gpurl's host value of its (layer of the) leaf."""
+        x = np.asarray(leaf)
+        return x.reshape(self.shape[::-1]).T if self.transpose else x.reshape(self.shape)
 
 
 _NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -220,7 +227,7 @@ def _block_layout(cfg: ModelConfig, i: int) -> list[HFTensor]:
 
     def t(path: tuple[str, ...], name: str, shape: tuple[int, ...],
           transpose: bool = False) -> HFTensor:
-        return HFTensor(("blocks", i) + path, f"model.layers.{i}.{name}", shape, transpose)
+        return HFTensor(("blocks",) + path, f"model.layers.{i}.{name}", shape, transpose, i)
 
     out = [t(("attn", x), f"self_attn.{x}_proj.weight", (n * e, d), True) for x, n in heads.items()]
     out.append(t(("attn", "o"), "self_attn.o_proj.weight", (d, cfg.num_heads * e), True))
@@ -309,22 +316,37 @@ def load_hf_params(path: str | Path, spec: ModelSpec, shardings: Params,
     """Params of `spec` from a HF safetensors checkpoint, each tensor built on its shards.
 
     `shardings` has the structure of `spec.abstract_params` with `NamedSharding` leaves;
-    every device reads only its own slice of the memory-mapped file. Tensors named in
-    `extra` (a reward model's score head) are left to the caller.
+    every device reads only its own slice of the memory-mapped file (a stacked layer
+    parameter: its slice of each layer's tensor). Tensors named in `extra` (a reward
+    model's score head) are left to the caller.
     """
     path, cfg = Path(path), spec.cfg
     layout = hf_layout(cfg)
     check_layout(layout, spec.abstract_params)
     tensors = {n: v for n, v in _text_tensors(path).items() if n not in extra}
     _check_names(layout, tensors, path, cfg)
-    params: Params = {}
+    views: dict[tuple, list[np.ndarray]] = {}  # a leaf's views: one, or one per layer
+    stacked = {t.path for t in layout if t.layer is not None}
     for t in layout:
         view, target = tensors[t.name], leaf_at(spec.abstract_params, t.path)
         if tuple(view.shape) != t.shape:
             raise _mismatch(path, cfg, f"tensor {t.name} has shape {tuple(view.shape)}, expected "
                                        f"{t.shape}")
-        view = (view.T if t.transpose else view).reshape(target.shape)  # views, no copy
-        _set(params, t.path, jax.make_array_from_callback(
-            target.shape, leaf_at(shardings, t.path),
-            lambda index, v=view, dt=target.dtype: np.array(v[index], dt, order="C")))
+        shape = target.shape if t.layer is None else target.shape[1:]
+        views.setdefault(t.path, []).append((view.T if t.transpose else view).reshape(shape))
+    params: Params = {}
+    for leaf_path, parts in views.items():  # views, no copy, until a device reads its slice
+        target = leaf_at(spec.abstract_params, leaf_path)
+        _set(params, leaf_path, jax.make_array_from_callback(
+            target.shape, leaf_at(shardings, leaf_path),
+            lambda index, parts=parts, dt=target.dtype, layers=leaf_path in stacked:
+            _read(parts, index, dt, layers)))
     return params
+
+
+def _read(parts: list[np.ndarray], index: tuple, dtype: Any, stacked: bool) -> np.ndarray:
+    """The slice `index` of a parameter from its memory-mapped views (one per layer when
+    `stacked`)."""
+    if not stacked:
+        return np.array(parts[0][index], dtype, order="C")
+    return np.stack([np.asarray(parts[i][index[1:]], dtype) for i in range(len(parts))[index[0]]])

@@ -157,8 +157,8 @@ def export_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
         if i >= len(layout):
             return extra[i - len(layout)][1]
         t = layout[i]
-        x = host(leaf_at(params, t.path))
-        return x.reshape(t.shape[::-1]).T if t.transpose else x.reshape(t.shape)
+        leaf = leaf_at(params, t.path)
+        return t.host_value(host(leaf if t.layer is None else leaf[t.layer]))
 
     write_tensors(out / "model.safetensors" if writer else None, entries, fetch, {"format": "pt"})
     if writer:
@@ -184,17 +184,19 @@ def export_peft(params: Any, cfg: ModelConfig, out_dir: str | Path,
     """The adapters alone in PEFT's layout (adapter_config.json, adapter_model.safetensors),
     loadable with `peft.PeftModel.from_pretrained` on the HF export of the base. Every
     process must call it (sharded arrays are gathered); process 0 writes."""
-    hf_names = {"/".join(map(str, t.path)): t.name.removesuffix(".weight") for t in hf_layout(cfg)}
+    hf_names = {"/".join(map(str, (t.path[0], t.layer, *t.path[1:]) if t.layer is not None
+                             else t.path)): t.name.removesuffix(".weight") for t in hf_layout(cfg)}
     entries, sources, modules = [], [], []
     for path in lora.target_paths(cfg):
-        *parents, name = path.split("/")
-        adapter = lora.node_at(params, "/".join(parents))[name + lora.SUFFIX]
+        _, layer, parent, name = path.split("/")
+        adapter = lora.node_at(params, f"blocks/{parent}")[name + lora.SUFFIX]
         module = hf_names[path]
         modules.append(module)
-        in_ndim = lora.PROJECTIONS[parents[-1], name]
+        in_ndim = lora.PROJECTIONS[parent, name]
         # Ours: A (*in, r), B (r, *out), delta = A @ B (in x out). PEFT's nn.Linear weights
         # are out x in: lora_A (r, in), lora_B (out, r), delta^T = lora_B @ lora_A.
-        for part, leaf in (("lora_A", adapter["a"]), ("lora_B", adapter["b"])):
+        for part, stacked in (("lora_A", adapter["a"]), ("lora_B", adapter["b"])):
+            leaf = stacked[int(layer)]
             rows = math.prod(leaf.shape[:in_ndim]) if part == "lora_A" else leaf.shape[0]
             entries.append((f"base_model.model.{module}.{part}.weight", np.dtype(leaf.dtype),
                             (leaf.size // rows, rows)))

@@ -25,8 +25,16 @@ PACKAGED = {"gemma3_270m"}
 
 def checkpoint_path(cfg: ModelConfig) -> str | None:
     """The checkpoint to load, or None for a random init."""
+    if cfg.init == "random":
+        return None
     if cfg.checkpoint is None:
-        return default_gemma3_270m_path() if cfg.name in PACKAGED else None
+        if cfg.name in PACKAGED:
+            return default_gemma3_270m_path()
+        if cfg.init == "auto":
+            return None
+        raise ConfigError(
+            f"model={cfg.name} has no weights here; set model.checkpoint=/path/to/hf_dir (or a "
+            f".gguf file), or model.init=random for random weights (benchmarks, tests).")
     path = Path(cfg.checkpoint).expanduser()
     if not path.exists():
         raise ConfigError(

@@ -4,7 +4,8 @@ drawn like PEFT's kaiming-uniform init and B (r x out) zero, so a fresh adapter 
 the model exactly as it was.
 
 Adapters are ordinary parameters of the model graph, beside the weight they adapt:
-"blocks/3/attn/q" gets "blocks/3/attn/q_lora/a" and ".../b". The parameter tree thus
+"blocks/attn/q" gets "blocks/attn/q_lora/a" and ".../b" (stacked over layers like the weight;
+`model.lora.targets` chooses layers by per-layer paths such as "blocks/3/attn/q"). The parameter tree thus
 holds base and adapters together, and everything that runs the model (the train step,
 the sampler, reference log-probs) needs no LoRA branch. What LoRA changes is which part
 of that tree moves: with adapters present, every base parameter is frozen
@@ -35,7 +36,7 @@ PROJECTIONS = {("attn", "q"): 1, ("attn", "k"): 1, ("attn", "v"): 1, ("attn", "o
                ("mlp", "gate"): 1, ("mlp", "up"): 1, ("mlp", "down"): 1}
 # Paths of a decoder's own (non-adapter) parameters, at any depth of a larger tree (PPO's
 # {"policy": ..., "critic": ...}); a critic's score vector or other heads stay trainable.
-BASE_PATTERN = rf"^(?!.*{SUFFIX}/)(.*/)?(embed|lm_head|final_norm/scale|blocks/\d+/.+)$"
+BASE_PATTERN = rf"^(?!.*{SUFFIX}/)(.*/)?(embed|lm_head|final_norm/scale|blocks/.+)$"
 
 
 def enabled(cfg: ModelConfig) -> bool:
@@ -57,7 +58,9 @@ def _matches(pattern: str, path: str) -> bool:
 
 
 def target_paths(cfg: ModelConfig) -> list[str]:
-    """Paths ("blocks/3/attn/q") of the projections `model.lora.targets` selects."""
+    """Paths ("blocks/3/attn/q": layer 3's q) of the projections `model.lora.targets` selects.
+    The parameters of all layers are stacked ("blocks/attn/q" with a leading layers axis);
+    these per-layer paths are how adapters are chosen and exported."""
     candidates = [f"blocks/{i}/{module}/{name}" for i in range(cfg.num_layers)
                   for module, name in PROJECTIONS]
     chosen = set()
@@ -92,44 +95,63 @@ def dropout_key(key: jax.Array | None) -> Iterator[None]:
 
 
 class LoraAdapter(nnx.Module):
-    """x (..., *in) -> (alpha / r) * dropout(x) A B (..., *out) for one weight (*in, *out)."""
+    """x (..., *in) -> (alpha / r) * dropout(x) A B (..., *out) for one weight (*in, *out).
+
+    Layers are stacked, so a projection adapted in some layers has an adapter in every
+    layer: `layers` (static, one flag per layer) zeroes the term of the others, whose A and
+    B then get no gradient and stay as drawn (A zero, B zero)."""
 
     def __init__(self, weight: nnx.Param, in_ndim: int, cfg: LoraConfig, index: int,
-                 rngs: nnx.Rngs):
+                 layers: tuple[bool, ...], rngs: nnx.Rngs | None):
         shape, axes = weight.shape, weight.get_metadata()["logical_axes"]
         r, dtype = cfg.rank, weight.dtype
         bound = 1.0 / math.sqrt(math.prod(shape[:in_ndim]))  # kaiming_uniform(a=sqrt(5))
-        a = jax.random.uniform(rngs.params(), shape[:in_ndim] + (r,), jnp.float32, -bound, bound)
+        a = (jnp.zeros(shape[:in_ndim] + (r,), jnp.float32) if rngs is None else
+             jax.random.uniform(rngs.params(), shape[:in_ndim] + (r,), jnp.float32, -bound, bound))
         self.a = nnx.Param(a.astype(dtype), logical_axes=axes[:in_ndim] + ("lora_rank",))
         self.b = nnx.Param(jnp.zeros((r,) + shape[in_ndim:], dtype),
                            logical_axes=("lora_rank",) + axes[in_ndim:])
         self.in_ndim, self.scale, self.rate, self.index = in_ndim, cfg.alpha / r, cfg.dropout, index
+        self.layers = None if all(layers) else layers
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, layer: jax.Array) -> jax.Array:
         key = _DROPOUT_KEY.get()
         if self.rate > 0 and key is not None:
-            keep = jax.random.bernoulli(jax.random.fold_in(key, self.index), 1.0 - self.rate,
-                                        x.shape)
+            key = jax.random.fold_in(jax.random.fold_in(key, self.index), layer)
+            keep = jax.random.bernoulli(key, 1.0 - self.rate, x.shape)
             x = jnp.where(keep, x / (1.0 - self.rate), 0.0).astype(x.dtype)
         h = jnp.tensordot(x, self.a[...].astype(x.dtype), axes=self.in_ndim)
-        return jnp.tensordot(h * jnp.asarray(self.scale, x.dtype), self.b[...].astype(x.dtype),
-                             axes=1)
+        scale = jnp.asarray(self.scale, x.dtype)
+        if self.layers is not None:
+            scale = scale * jnp.asarray(self.layers, x.dtype)[layer]
+        return jnp.tensordot(h * scale, self.b[...].astype(x.dtype), axes=1)
 
 
-def adapted(module: nnx.Module, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+def adapted(module: nnx.Module, name: str, x: jax.Array, y: jax.Array,
+            layer: jax.Array) -> jax.Array:
     """`y` = x @ module.name plus the adapter's term when `name` is adapted."""
     adapter = getattr(module, name + SUFFIX, None)
-    return y if adapter is None else y + adapter(x)
+    return y if adapter is None else y + adapter(x, layer)
 
 
-def attach(model: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
-    """Adds an adapter beside every targeted projection of a built `Transformer`. Called
-    after the base is built, so the base draws the same random init as without LoRA."""
-    for index, path in enumerate(target_paths(cfg)):
+def attach(blocks: list[nnx.Module], cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+    """Adds adapters to the blocks of a `Transformer` before they are stacked: every layer
+    gets one beside each projection targeted in any layer. Called after the base is built,
+    and targeted adapters draw in `target_paths` order, so the base and the adapters draw
+    the same random init as an unrolled stack."""
+    targets = target_paths(cfg)
+    names = list(dict.fromkeys(tuple(p.split("/")[2:]) for p in targets))
+    flags = {n: tuple(f"blocks/{i}/{'/'.join(n)}" in targets for i in range(len(blocks)))
+             for n in names}
+    for path in [f"blocks/{i}/{m}/{w}" for i in range(len(blocks)) for m, w in PROJECTIONS]:
         _, layer, module, name = path.split("/")
-        owner = getattr(model.blocks[int(layer)], module)
-        setattr(owner, name + SUFFIX, LoraAdapter(getattr(owner, name), PROJECTIONS[module, name],
-                                                  cfg.lora, index, rngs))
+        if (module, name) not in flags:
+            continue
+        owner = getattr(blocks[int(layer)], module)
+        index = list(PROJECTIONS).index((module, name))
+        setattr(owner, name + SUFFIX, LoraAdapter(
+            getattr(owner, name), PROJECTIONS[module, name], cfg.lora, index,
+            flags[module, name], rngs if path in targets else None))
 
 
 # ---------------------------------------------------------------------------- the tree
@@ -168,20 +190,23 @@ def node_at(tree: Any, path: str) -> Any:
 
 
 def merged(params: Any, cfg: ModelConfig) -> Any:
-    """Base parameters with every adapter folded in: W + (alpha / r) A B (under jit, each
-    weight keeps its sharding). A model built with `base_config(cfg)` runs them."""
-    paths = target_paths(cfg)
+    """Base parameters with every adapter folded in: W + (alpha / r) A B in the targeted
+    layers (under jit, each weight keeps its sharding). A model built with
+    `base_config(cfg)` runs them."""
+    targets = target_paths(cfg)
     scale = cfg.lora.alpha / cfg.lora.rank
 
     def fold(params: Any) -> Any:
         base = strip(params)
-        for path in paths:
-            *parents, name = path.split("/")
-            owner = node_at(base, "/".join(parents))
-            adapter = node_at(params, "/".join(parents))[name + SUFFIX]
+        for module, name in dict.fromkeys(tuple(p.split("/")[2:]) for p in targets):
+            owner = node_at(base, f"blocks/{module}")
+            adapter = node_at(params, f"blocks/{module}")[name + SUFFIX]
+            mask_L = jnp.asarray([f"blocks/{i}/{module}/{name}" in targets
+                                  for i in range(cfg.num_layers)], jnp.float32)
+            delta = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1))(
+                adapter["a"].astype(jnp.float32), adapter["b"].astype(jnp.float32))
             w = owner[name]
-            delta = jnp.tensordot(adapter["a"].astype(jnp.float32),
-                                  adapter["b"].astype(jnp.float32), axes=1)
+            delta = delta * mask_L.reshape((-1,) + (1,) * (delta.ndim - 1))
             owner[name] = (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
         return base
 

@@ -1,4 +1,5 @@
-"""Parameter paths: "blocks/3/mlp/up" names one leaf of a parameter tree.
+"""Parameter paths: "blocks/mlp/up" names one leaf of a parameter tree (the up projection of
+every layer: block parameters are stacked on a leading layers axis).
 
 `optim.freeze`, `model.lora.targets`, LoRA's frozen base and the optimizer-state shardings
 all select parameters by these paths.
@@ -15,7 +16,7 @@ CONTAINERS = ("policy", "critic", "backbone")
 
 
 def param_path(path: Sequence[Any]) -> str:
-    """"blocks/3/mlp/up" for a key path of the parameter tree."""
+    """"blocks/mlp/up" for a key path of the parameter tree."""
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 

@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 
 from gpurl.config import ModelConfig
-from gpurl.models.transformer import KVCache, Transformer
+from gpurl.models.transformer import KVCache, PromptKV, Transformer
 
 Params = dict[str, Any]
 # (model config, language-model spec, shardings) -> the checkpoint's parameters placed on
@@ -41,9 +41,16 @@ class ModelSpec:
         return nnx.merge(self.graphdef, params)(tokens_BxT, positions_BxT, segments_BxT)
 
     def hidden(self, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
-               segments_BxT: jax.Array, cache: KVCache | None = None):
-        """Final-norm hidden states (and the cache with the new tokens appended)."""
+               segments_BxT: jax.Array, cache: KVCache | PromptKV | None = None):
+        """Final-norm hidden states and the cache (`Transformer.hidden`)."""
         return nnx.merge(self.graphdef, params).hidden(tokens_BxT, positions_BxT, segments_BxT, cache)
+
+    def prompt_kv(self, params: Params, tokens_PxW: jax.Array, positions_PxW: jax.Array,
+                  segments_PxW: jax.Array, group: int) -> tuple[jax.Array, PromptKV]:
+        """(final-norm hidden states of P prompts, their keys and values for `group`
+        completions each to attend to with `hidden`)."""
+        return nnx.merge(self.graphdef, params).prompt_kv(tokens_PxW, positions_PxW,
+                                                          segments_PxW, group)
 
     def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
         return nnx.merge(self.graphdef, params).logits(hidden)

@@ -1,20 +1,34 @@
 """One decoder-only transformer (Flax NNX); model families differ only by `ModelConfig`.
 
 Every parameter carries `logical_axes` metadata ("vocab", "embed", "mlp", "heads",
-"kv_heads", "head_dim", "norm"); `gpurl.distributed.mesh` maps them to mesh axes.
-Norms are RMSNorm with a (1 + w) scale and a zero init (Gemma's convention).
+"kv_heads", "head_dim", "norm", and "layers" for the stacked blocks); `gpurl.distributed.mesh`
+maps them to mesh axes. Norms are RMSNorm with a (1 + w) scale and a zero init (Gemma's
+convention).
+
+The blocks are one `Block` whose parameters have a leading `layers` axis, run by one
+`lax.scan`: a step compiles one block body whatever the depth, and `model.remat` sets what
+the backward pass keeps of each layer (`REMAT_POLICIES`). Stacks whose layers differ
+(Gemma 2/3: sliding-window layers with their own RoPE base beside global ones) scan a
+per-layer kind, and each layer's attention takes its kind's static settings by
+`lax.switch`. Caches follow the layers: a sampling `KVCache` is carried through the scan
+and written in place; a training forward's `PromptKV` is scanned with the layers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gpurl.config import ModelConfig
 from gpurl.kernels.attention import attention, resolve
@@ -26,10 +40,40 @@ _ACTIVATIONS = {
 }
 
 
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+# The sharding of batch rows while a program is traced (`sharded_rows`); None: no mesh.
+_ROWS: contextvars.ContextVar[NamedSharding | None] = contextvars.ContextVar("rows", default=None)
+
+
+@contextlib.contextmanager
+def sharded_rows(rows: NamedSharding | None) -> Iterator[None]:
+    """Forward passes traced inside this block keep their activations' rows (axis 0)
+    sharded like `rows` (a batch sharding): without it XLA may all-gather the activations
+    instead of the FSDP-sharded weights, which replicates every activation of a step on
+    every device of the fsdp axis."""
+    token = _ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+    """`x` (rows first) with its rows sharded as `sharded_rows` says; other axes free."""
+    rows = _ROWS.get()
+    if rows is None or x.ndim == 0:
+        return x
+    spec = P(rows.spec[0] if rows.spec else None, *([P.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(rows.mesh, spec))
+
+
 def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
     """`auto`: float32 on CPU (faster there with XLA), bfloat16 on accelerators."""
     if cfg.dtype == "auto":
-        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+        return jnp.dtype(jnp.float32 if _on_cpu() else jnp.bfloat16)
     return jnp.dtype(cfg.dtype)
 
 
@@ -90,8 +134,34 @@ def rope(x: jax.Array, positions_BxT: jax.Array, inv_freq_R: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
+# What the backward pass keeps of a layer's forward (`model.remat`); the rest is recomputed.
+REMAT_POLICIES = {
+    "none": None,  # keep everything (no rematerialization)
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only the layer's input
+    # the outputs of matmuls without batch dimensions: the projections and the MLP
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the query, key and value projections (`checkpoint_name` in `Attention._project`)
+    "qkv": jax.checkpoint_policies.save_only_these_names("q_proj", "k_proj", "v_proj"),
+}
+
+
+def remat_policy(cfg: ModelConfig) -> str:
+    """`auto`: full on accelerators (activations bound memory there), none on CPU."""
+    if cfg.remat == "auto":
+        return "none" if _on_cpu() else "full"
+    return cfg.remat
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple[tuple[bool, ...], tuple[int, ...]]:
+    """(is_global of each kind, kind of each layer): the distinct attention settings of the
+    stack, global (whole context, global RoPE) before sliding-window ones."""
+    flags = [cfg.is_global(i) for i in range(cfg.num_layers)]
+    kinds = tuple(sorted(set(flags), reverse=True))
+    return kinds, tuple(kinds.index(f) for f in flags)
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, k, hd, pd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
         self.q = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), cfg.init_std, pd)
         self.k = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)
@@ -104,46 +174,53 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_plus_one, pd)
             self.k_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_plus_one, pd)
-        is_global = cfg.is_global(layer)
-        self.window = None if is_global else cfg.sliding_window
-        self.rope_key = (cfg, is_global)  # static: frequencies are constants under jit
+        # static per kind: (sliding window or None, RoPE key); frequencies are constants under jit
+        self.kinds = tuple((None if is_global else cfg.sliding_window, (cfg, is_global))
+                           for is_global in layer_kinds(cfg)[0])
         self.scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
         self.softcap = cfg.attn_softcap
         self.has_bias, self.has_qk_norm = cfg.qkv_bias, cfg.qk_norm
         self.implementation = resolve(cfg.attention)
 
-    def _project(self, x_BxTxD: jax.Array, name: str) -> jax.Array:
+    def _project(self, x_BxTxD: jax.Array, name: str, layer: jax.Array) -> jax.Array:
         dt = x_BxTxD.dtype
         out = jnp.einsum("btd,dne->btne", x_BxTxD, getattr(self, name)[...].astype(dt))
-        out = lora.adapted(self, name, x_BxTxD, out)
+        out = lora.adapted(self, name, x_BxTxD, out, layer)
         if self.has_bias:
             out = out + getattr(self, f"{name}_bias")[...].astype(dt)
         if self.has_qk_norm and name in ("q", "k"):
             out = getattr(self, f"{name}_norm")(out)
-        return out
+        return checkpoint_name(constrain_rows(out), f"{name}_proj")
 
     def __call__(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
-                 cache: LayerCache | None = None) -> tuple[jax.Array, LayerCache | None]:
-        inv_freq_R = jnp.asarray(rope_frequencies(*self.rope_key))
-        q_BxTxHxE = rope(self._project(x_BxTxD, "q"), positions_BxT, inv_freq_R)
-        k_BxTxKxE = rope(self._project(x_BxTxD, "k"), positions_BxT, inv_freq_R)
-        v_BxTxKxE = self._project(x_BxTxD, "v")
-        if cache is None:
-            keys, values, kv_pos, kv_seg = k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT
-        else:
-            # New keys/values go into slots [index, index + T) of the cache; the caller has
-            # already written those slots' positions and segment ids.
-            start = (0, cache.index, 0, 0)
-            keys = jax.lax.dynamic_update_slice(cache.k, k_BxTxKxE.astype(cache.k.dtype), start)
-            values = jax.lax.dynamic_update_slice(cache.v, v_BxTxKxE.astype(cache.v.dtype), start)
-            kv_pos, kv_seg = cache.positions, cache.segments
-            cache = cache.replace(k=keys, v=values)
-        out_BxTxHxE = attention(q_BxTxHxE, keys, values, positions_BxT, segments_BxT, kv_pos,
-                                kv_seg, scale=self.scale, softcap=self.softcap,
-                                window=self.window, contiguous=cache is None,
-                                implementation=self.implementation)
+                 kind: jax.Array, layer: jax.Array, cache: KVCache | PromptKV | None = None
+                 ) -> tuple[jax.Array, KVCache | PromptKV | None, tuple[jax.Array, jax.Array]]:
+        """(output B x T x D, the cache, this layer's keys and values of the T tokens after
+        RoPE: what `Transformer.prompt_kv` keeps)."""
+        q_BxTxHxE = self._project(x_BxTxD, "q", layer)
+        k_BxTxKxE = self._project(x_BxTxD, "k", layer)
+        v_BxTxKxE = self._project(x_BxTxD, "v", layer)
+
+        def attend(window: int | None, rope_key: tuple, q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache):
+            inv_freq_R = jnp.asarray(rope_frequencies(*rope_key))
+            q_BxTxHxE = rope(q_BxTxHxE, positions_BxT, inv_freq_R)
+            k_BxTxKxE = rope(k_BxTxKxE, positions_BxT, inv_freq_R)
+            if cache is None:
+                keys, values, kv_pos, kv_seg = k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT
+            else:
+                keys, values, kv_pos, kv_seg, cache = cache.extend(
+                    layer, k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT)
+            out = attention(q_BxTxHxE, keys, values, positions_BxT, segments_BxT, kv_pos,
+                            kv_seg, scale=self.scale, softcap=self.softcap, window=window,
+                            contiguous=cache is None, implementation=self.implementation)
+            return out, cache, (k_BxTxKxE, v_BxTxKxE)
+
+        branches = [functools.partial(attend, *k) for k in self.kinds]
+        args = (q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache)
+        out_BxTxHxE, cache, kv = (branches[0](*args) if len(branches) == 1
+                                  else jax.lax.switch(kind, branches, *args))
         o_BxTxD = jnp.einsum("bthe,hed->btd", out_BxTxHxE, self.o[...].astype(x_BxTxD.dtype))
-        return lora.adapted(self, "o", out_BxTxHxE, o_BxTxD), cache
+        return lora.adapted(self, "o", out_BxTxHxE, o_BxTxD, layer), cache, kv
 
 
 class MLP(nnx.Module):
@@ -156,23 +233,24 @@ class MLP(nnx.Module):
         self.down = _param(rngs, (f, d), ("mlp", "embed"), cfg.init_std, pd)
         self.act = _ACTIVATIONS[cfg.activation]
 
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxTxD: jax.Array, layer: jax.Array) -> jax.Array:
         dt = x_BxTxD.dtype
-        gate_BxTxF = lora.adapted(self, "gate", x_BxTxD, x_BxTxD @ self.gate[...].astype(dt))
-        up_BxTxF = lora.adapted(self, "up", x_BxTxD, x_BxTxD @ self.up[...].astype(dt))
-        h_BxTxF = self.act(gate_BxTxF) * up_BxTxF
-        return lora.adapted(self, "down", h_BxTxF, h_BxTxF @ self.down[...].astype(dt))
+        gate_BxTxF = lora.adapted(self, "gate", x_BxTxD, x_BxTxD @ self.gate[...].astype(dt), layer)
+        up_BxTxF = lora.adapted(self, "up", x_BxTxD, x_BxTxD @ self.up[...].astype(dt), layer)
+        h_BxTxF = constrain_rows(self.act(constrain_rows(gate_BxTxF)) * constrain_rows(up_BxTxF))
+        return lora.adapted(self, "down", h_BxTxF, h_BxTxF @ self.down[...].astype(dt), layer)
 
 
 class Block(nnx.Module):
-    """Pre-norm block; Gemma 2/3 add a norm after attention and after the MLP."""
+    """Pre-norm block; Gemma 2/3 add a norm after attention and after the MLP. One Block
+    holds all L layers: each parameter has a leading `layers` axis (`stack_layers`)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         def norm() -> RMSNorm:
             return RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one, cfg.param_dtype)
 
         self.attn_norm = norm()
-        self.attn = Attention(cfg, layer, rngs)
+        self.attn = Attention(cfg, rngs)
         self.mlp_norm = norm()
         self.mlp = MLP(cfg, rngs)
         if cfg.post_norms:
@@ -180,11 +258,25 @@ class Block(nnx.Module):
             self.post_mlp_norm = norm()
         self.post_norms = cfg.post_norms
 
-    def __call__(self, x_BxTxD, positions_BxT, segments_BxT, cache=None):
-        h_BxTxD, cache = self.attn(self.attn_norm(x_BxTxD), positions_BxT, segments_BxT, cache)
+    def __call__(self, x_BxTxD, positions_BxT, segments_BxT, kind, layer, cache=None):
+        h_BxTxD, cache, kv = self.attn(self.attn_norm(x_BxTxD), positions_BxT, segments_BxT,
+                                       kind, layer, cache)
         x_BxTxD = x_BxTxD + (self.post_attn_norm(h_BxTxD) if self.post_norms else h_BxTxD)
-        h_BxTxD = self.mlp(self.mlp_norm(x_BxTxD))
-        return x_BxTxD + (self.post_mlp_norm(h_BxTxD) if self.post_norms else h_BxTxD), cache
+        h_BxTxD = self.mlp(self.mlp_norm(x_BxTxD), layer)
+        return x_BxTxD + (self.post_mlp_norm(h_BxTxD) if self.post_norms else h_BxTxD), cache, kv
+
+
+def stack_layers(blocks: list[Block]) -> Block:
+    """One Block whose parameters are the given blocks' stacked on a leading `layers` axis
+    (the blocks are built one by one first, so they draw the same random init as an
+    unrolled stack)."""
+    graphdef, first = nnx.split(blocks[0])
+    states = [first] + [nnx.split(b)[1] for b in blocks[1:]]
+    stacked = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+    for _, var in nnx.iter_graph(stacked):
+        if isinstance(var, nnx.Param):
+            var.set_metadata("logical_axes", ("layers",) + tuple(var.get_metadata()["logical_axes"]))
+    return stacked
 
 
 class Transformer(nnx.Module):
@@ -197,13 +289,16 @@ class Transformer(nnx.Module):
         emb_std = 1.0 / math.sqrt(cfg.d_model) if cfg.scale_embeddings else cfg.init_std
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), emb_std,
                             cfg.param_dtype)
-        self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(cfg.num_layers)])
+        blocks = [Block(cfg, rngs) for _ in range(cfg.num_layers)]
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one, cfg.param_dtype)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                   cfg.init_std, cfg.param_dtype)
         if cfg.lora.rank:
-            lora.attach(self, cfg, rngs)
+            lora.attach(blocks, cfg, rngs)
+        self.blocks = stack_layers(blocks)
+        self.layer_kinds = layer_kinds(cfg)[1]
+        self.remat = remat_policy(cfg)
 
     def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                  segments_BxT: jax.Array) -> jax.Array:
@@ -211,29 +306,59 @@ class Transformer(nnx.Module):
         return self.logits(hidden_BxTxD)
 
     def hidden(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
-               cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
-        """Final-norm hidden states; with a cache, the T new tokens are appended to it."""
+               cache: KVCache | PromptKV | None = None
+               ) -> tuple[jax.Array, KVCache | PromptKV | None]:
+        """Final-norm hidden states of the T tokens. With a `KVCache` (sampling) they are
+        appended to it; with a `PromptKV` (a training forward) they attend to its prompts."""
+        x_BxTxD, cache, _ = self._layers(tokens_BxT, positions_BxT, segments_BxT, cache, False)
+        return x_BxTxD, cache
+
+    def prompt_kv(self, tokens_PxW: jax.Array, positions_PxW: jax.Array,
+                  segments_PxW: jax.Array, group: int) -> tuple[jax.Array, PromptKV]:
+        """(final-norm hidden states of P prompts, every layer's keys and values of them)
+        for `group` completions per prompt to attend to (`hidden` with the PromptKV)."""
+        x_PxWxD, _, (k, v) = self._layers(tokens_PxW, positions_PxW, segments_PxW, None, True)
+        return x_PxWxD, PromptKV(k, v, positions_PxW, segments_PxW, group)
+
+    def _layers(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
+                cache: KVCache | PromptKV | None, keep_kv: bool) -> tuple[jax.Array, Any, Any]:
+        """The embedding and one `lax.scan` over the stacked layers: (final-norm hidden
+        states, the carried KVCache, with `keep_kv` every layer's keys and values)."""
         x_BxTxD = jnp.take(self.embed[...].astype(self.dtype), tokens_BxT, axis=0)
         if self.cfg.scale_embeddings:
             # Gemma rounds the normalizer to the compute dtype before multiplying.
             x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.dtype)
-        if cache is not None:
+        carried = isinstance(cache, KVCache)  # sampling: written in place, layer by layer
+        if carried:
             start = (0, cache.index)
             cache = cache.replace(
                 positions=jax.lax.dynamic_update_slice(cache.positions, positions_BxT, start),
                 segments=jax.lax.dynamic_update_slice(cache.segments, segments_BxT, start))
-        new_k, new_v = [], []
-        for i, block in enumerate(self.blocks):
-            layer = None if cache is None else LayerCache(
-                cache.k[i], cache.v[i], cache.positions, cache.segments, cache.index)
-            x_BxTxD, layer = block(x_BxTxD, positions_BxT, segments_BxT, layer)
-            if layer is not None:
-                new_k.append(layer.k)
-                new_v.append(layer.v)
-        if cache is not None:
-            cache = cache.replace(k=tuple(new_k), v=tuple(new_v),
-                                  index=cache.index + tokens_BxT.shape[1])
-        return self.final_norm(x_BxTxD), cache
+        prompt = cache if isinstance(cache, PromptKV) else None
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(carry, xs):
+            x_BxTxD, kv_cache = carry
+            state, kind, index, prompt_kv = xs
+            if prompt is not None:  # this layer's slice of the prompts' keys and values
+                kv_cache = prompt.replace(k=prompt_kv[0], v=prompt_kv[1])
+            x_BxTxD, kv_cache, kv = nnx.merge(graphdef, state)(
+                constrain_rows(x_BxTxD), positions_BxT, segments_BxT, kind, index, kv_cache)
+            x_BxTxD = constrain_rows(x_BxTxD)
+            return (x_BxTxD, kv_cache if carried else None), (kv if keep_kv else None)
+
+        # The backward pass keeps what the policy saves of each layer and recomputes the
+        # rest. A carried cache belongs to sampling, which has no backward pass; a PromptKV
+        # is scanned (not carried), so no copy of it is saved per layer.
+        if not carried and self.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        xs = (stacked, jnp.asarray(self.layer_kinds, jnp.int32),
+              jnp.arange(self.cfg.num_layers, dtype=jnp.int32),
+              None if prompt is None else (prompt.k, prompt.v))
+        (x_BxTxD, cache), kv = jax.lax.scan(layer, (x_BxTxD, cache if carried else None), xs)
+        if carried:
+            cache = cache.replace(index=cache.index + tokens_BxT.shape[1])
+        return self.final_norm(x_BxTxD), cache, kv
 
     def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
         """Output logits of final-norm hidden states (any leading shape)."""
@@ -248,31 +373,62 @@ class Transformer(nnx.Module):
 
 
 @flax.struct.dataclass
-class LayerCache:
-    k: jax.Array  # B x S x K x E
-    v: jax.Array  # B x S x K x E
+class KVCache:
+    """Keys and values of every layer for S slots per row, stacked like the layers
+    (sliding-window layers keep all slots too; the attention mask restricts them to their
+    window). Slots [index, index + T) take the next T tokens."""
+
+    k: jax.Array  # L x B x S x K x E
+    v: jax.Array  # L x B x S x K x E
     positions: jax.Array  # B x S: position of the token in each slot
     segments: jax.Array  # B x S: 0 = empty slot (masked out)
-    index: jax.Array  # int32: first slot the next tokens are written to
+    index: jax.Array  # int32 scalar
+
+    def extend(self, layer: jax.Array, k_BxTxKxE: jax.Array, v_BxTxKxE: jax.Array,
+               positions_BxT: jax.Array, segments_BxT: jax.Array) -> tuple:
+        """(this layer's keys B x S x K x E and values with the T new tokens, their positions
+        and segments B x S, the cache): only the T new slots are written (in place in the
+        scan's carry; `Transformer.hidden` has written their positions)."""
+        start = (layer, 0, self.index, 0, 0)
+        k = jax.lax.dynamic_update_slice(self.k, k_BxTxKxE[None].astype(self.k.dtype), start)
+        v = jax.lax.dynamic_update_slice(self.v, v_BxTxKxE[None].astype(self.v.dtype), start)
+        return k[layer], v[layer], self.positions, self.segments, self.replace(k=k, v=v)
+
+    def repeat_rows(self, g: int) -> KVCache:
+        """Every row repeated `g` times (a prompt's cache shared by its G completions)."""
+        return self.replace(k=jnp.repeat(self.k, g, axis=1), v=jnp.repeat(self.v, g, axis=1),
+                            positions=jnp.repeat(self.positions, g, axis=0),
+                            segments=jnp.repeat(self.segments, g, axis=0))
 
 
 @flax.struct.dataclass
-class KVCache:
-    """Keys and values of every layer for S slots per row (sliding-window layers keep
-    all slots too; the attention mask restricts them to their window)."""
+class PromptKV:
+    """Every layer's keys and values of P prompts (`Transformer.prompt_kv`) that the G
+    completions of each prompt attend to: a training forward's cache. It is scanned with
+    the layers, one layer's slice at a time, never carried, so a backward pass does not
+    save a copy of it per layer."""
 
-    k: tuple[jax.Array, ...]  # per layer, B x S x K x E
-    v: tuple[jax.Array, ...]
-    positions: jax.Array  # B x S
-    segments: jax.Array  # B x S
-    index: jax.Array  # int32 scalar
+    k: jax.Array  # L x P x W x K x E (inside the scan: one layer's P x W x K x E)
+    v: jax.Array  # L x P x W x K x E
+    positions: jax.Array  # P x W
+    segments: jax.Array  # P x W: 0 = padding
+    group: int = flax.struct.field(pytree_node=False, default=1)  # completions per prompt
+
+    def extend(self, layer: jax.Array, k_BxTxKxE: jax.Array, v_BxTxKxE: jax.Array,
+               positions_BxT: jax.Array, segments_BxT: jax.Array) -> tuple:
+        """(the prompt's keys then the T new ones, B x (W+T) x K x E, values, positions,
+        segments, itself) for B = P x G rows."""
+        def rows(prompt, new):
+            return jnp.concatenate([jnp.repeat(prompt, self.group, axis=0).astype(new.dtype),
+                                    new], axis=1)
+        return (rows(self.k, k_BxTxKxE), rows(self.v, v_BxTxKxE),
+                rows(self.positions, positions_BxT), rows(self.segments, segments_BxT), self)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
-    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
     dt = compute_dtype(cfg)
-    return KVCache(k=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)),
-                   v=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)),
+    return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
                    positions=jnp.zeros((batch, length), jnp.int32),
                    segments=jnp.zeros((batch, length), jnp.int32),
                    index=jnp.zeros((), jnp.int32))

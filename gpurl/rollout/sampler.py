@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.struct
 import jax
@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gpurl.config import ConfigError, RolloutConfig
 from gpurl.distributed.mesh import Rules, replicated, tree_shardings
 from gpurl.models.spec import ModelSpec, Params
-from gpurl.models.transformer import init_cache
+from gpurl.models.transformer import KVCache, init_cache
 from gpurl.rollout.sampling import sample
 
 MIN_PROMPT_BUCKET = 16
@@ -83,6 +83,8 @@ class Sampler:
         self.stop_ids = tuple(sorted(set(stop_ids)))
         self.pad_id = pad_id
         self._fns: dict[_Static, object] = {}
+        # programs compiled ahead of time (the memory plan's), by static settings and shape
+        self._compiled: dict[tuple[_Static, tuple[int, ...]], object] = {}
 
     def place(self, params: Params) -> Params:
         """Parameters in the sampling layout (a no-op when they already are)."""
@@ -133,12 +135,36 @@ class Sampler:
                           max_new_tokens: int | None = None,
                           temperature: float | None = None) -> Rollout:
         """`generate` on the arrays `prepare` returned."""
-        static = _Static(max_new_tokens or self.cfg.max_new_tokens,
-                         self.cfg.temperature if temperature is None else temperature,
-                         self.cfg.top_k, self.cfg.top_p, self.stop_ids, self.pad_id,
-                         getattr(batch, "group", 1))
-        fn = self._fns.get(static) or self._fns.setdefault(static, self._compile(static))
+        static = self._static(max_new_tokens, temperature, getattr(batch, "group", 1))
+        fn = self._compiled.get((static, batch[0].shape))
+        fn = fn or self._fns.get(static) or self._fns.setdefault(static, self._compile(static))
         return fn(self.place(params), *batch)
+
+    def _static(self, max_new_tokens: int | None, temperature: float | None, group: int) -> _Static:
+        return _Static(max_new_tokens or self.cfg.max_new_tokens,
+                       self.cfg.temperature if temperature is None else temperature,
+                       self.cfg.top_k, self.cfg.top_p, self.stop_ids, self.pad_id, group)
+
+    def compile(self, rows: int, width: int, group: int = 1) -> Any:
+        """The program that samples `rows` global rows of prompts padded to `width` (runs of
+        `group` identical prompts) at the configured settings, compiled ahead of time from
+        abstract arrays; `generate` runs it for that shape."""
+        static = self._static(None, None, group)
+        fn = self._fns.get(static) or self._fns.setdefault(static, self._compile(static))
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              self.spec.abstract_params, self.param_shardings)
+        args = [jax.ShapeDtypeStruct(shape, dt, sharding=self.rows) for shape, dt in
+                (((rows, width), jnp.int32), ((rows,), jnp.int32), ((rows,), jnp.uint32))]
+        compiled = fn.lower(params, *args).compile()
+        self._compiled[static, (rows, width)] = compiled
+        return compiled
+
+    def cache_layout(self, rows: int, width: int) -> tuple[KVCache, KVCache]:
+        """(abstract KV cache, its shardings) of a batch of `rows` prompts padded to `width`
+        at full length (prompt + rollout.max_new_tokens): what the memory plan counts."""
+        cache = jax.eval_shape(lambda: init_cache(self.spec.cfg, rows,
+                                                  width + self.cfg.max_new_tokens))
+        return cache, _cache_shardings(cache, self.rows)
 
     def _pad(self, prompts, seeds, width: int | None, bucket_rows: bool
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -193,8 +219,7 @@ def _prefill(spec: ModelSpec, static: _Static, rows: NamedSharding, params: Para
     logits_PxV = spec.logits(params, last_PxD)
     if g == 1:
         return logits_PxV, cache
-    cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
-    cache = jax.lax.with_sharding_constraint(cache, _cache_shardings(cache, rows))
+    cache = jax.lax.with_sharding_constraint(cache.repeat_rows(g), _cache_shardings(cache, rows))
     return jnp.repeat(logits_PxV, g, axis=0), cache
 
 
@@ -238,13 +263,10 @@ def _generate(spec: ModelSpec, static: _Static, rows: NamedSharding, params: Par
     return Rollout(out_tokens, length_B, out_lp)
 
 
-def _cache_shardings(cache, rows: NamedSharding):
+def _cache_shardings(cache: KVCache, rows: NamedSharding) -> KVCache:
     """Cache rows follow the batch; key/value heads split over tp when they divide."""
     mesh = rows.mesh
-
-    def spec(x):
-        if x.ndim == 4 and x.shape[2] % mesh.shape["tp"] == 0:
-            return NamedSharding(mesh, P("data", None, "tp", None))
-        return NamedSharding(mesh, P("data", *([None] * (x.ndim - 1)))) if x.ndim else replicated(mesh)
-
-    return jax.tree.map(spec, cache)
+    heads = "tp" if cache.k.shape[3] % mesh.shape["tp"] == 0 else None
+    kv = NamedSharding(mesh, P(None, "data", None, heads, None))  # L x B x S x K x E
+    slots = NamedSharding(mesh, P("data", None))
+    return KVCache(k=kv, v=kv, positions=slots, segments=slots, index=replicated(mesh))

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gpurl.config import ConfigError
 
@@ -31,6 +33,16 @@ def _key(entry: Any) -> str:
     return str(entry)
 
 
+def _layer_keys(key: str, layers: int) -> list[str]:
+    """The per-layer keys of a stacked block leaf ("params.blocks.attn.q" ->
+    "params.blocks.0.attn.q", ...); [key] for any other leaf."""
+    parts = key.split(".")
+    if "blocks" not in parts[:-1] or parts[parts.index("blocks") + 1].isdigit():
+        return [key]
+    i = parts.index("blocks") + 1
+    return [".".join(parts[:i] + [str(layer)] + parts[i:]) for layer in range(layers)]
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int):
         self.directory = Path(directory).absolute()
@@ -40,7 +52,9 @@ class Checkpointer:
             max_to_keep=keep, create=True, enable_async_checkpointing=False,
             cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "meta"))
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -54,13 +68,16 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state: Any, shardings: Any) -> tuple[Any, dict]:
-        """State with the structure of `abstract_state`, placed with `shardings`."""
-        target = jax.tree.map(
+        """State with the structure of `abstract_state`, placed with `shardings`. A
+        checkpoint of an earlier gpurl, whose layer parameters were one per layer
+        ("params.blocks.3.attn.q"), is read layer by layer and stacked."""
+        target = _flat(jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            abstract_state, shardings)
+            abstract_state, shardings))
+        per_layer = self._per_layer(step, target)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_flat(target)), meta=ocp.args.JsonRestore()))
+                state=ocp.args.StandardRestore(per_layer or target), meta=ocp.args.JsonRestore()))
         except (ValueError, KeyError) as e:
             raise ConfigError(
                 f"the checkpoint at {self.directory}/{step} was written for another model or "
@@ -68,9 +85,32 @@ class Checkpointer:
                 f"or rerun with the config the run was started with ({self.directory.parent}/"
                 f"config.yaml).") from e
         flat = restored["state"]
+        if per_layer:
+            flat = {k: jnp.stack([flat[old] for old in _layer_keys(k, v.shape[0])])
+                    if _layer_keys(k, 1) != [k] else flat[k] for k, v in target.items()}
+            flat = {k: jax.device_put(v, target[k].sharding) for k, v in flat.items()}
         state = jax.tree.unflatten(jax.tree.structure(abstract_state),
                                    [flat[k] for k in _flat(abstract_state)])
         return state, dict(restored["meta"])
+
+    def _per_layer(self, step: int, target: dict[str, Any]) -> dict[str, Any] | None:
+        """The target in the per-layer layout of earlier checkpoints, when step holds one."""
+        try:
+            stored = set(self._manager.item_metadata(step)["state"].keys())
+        except Exception:  # noqa: BLE001 - no readable metadata: restore as usual
+            return None
+        if set(target) <= stored or not any(_layer_keys(k, 1) != [k] for k in target):
+            return None
+        out = {}
+        for key, x in target.items():
+            layers = _layer_keys(key, x.shape[0] if x.shape else 1)
+            if layers == [key]:
+                out[key] = x
+                continue
+            layer_sharding = NamedSharding(x.sharding.mesh, P(*x.sharding.spec[1:]))
+            out.update({k: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=layer_sharding)
+                        for k in layers})
+        return out if set(out) <= stored else None
 
     def close(self) -> None:
         self._manager.close()

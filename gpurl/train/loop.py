@@ -31,6 +31,7 @@ from gpurl.models import count_params, loading
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.metrics import MetricsSink
 from gpurl.train.optim import lr_schedule, train_optimizer
+from gpurl.train.plan import ProgramPlan, check, memory_plan, plan_summary
 from gpurl.train.plots import write_curves
 from gpurl.train.preference import PreferenceStepper
 from gpurl.train.rl import RLStepper
@@ -104,6 +105,7 @@ class _Session:
     stepper: Stepper
     schedule: Callable[[int], Any]
     ckpt: Checkpointer
+    plans: list[ProgramPlan]  # the memory plan checked before the start ([]: plan.check=false)
 
 
 class _PendingMetrics:
@@ -150,9 +152,9 @@ class _PendingMetrics:
         self.t_last = time.perf_counter()
 
 
-def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
+    """The run's mesh, model, optimizer, train step and stepper, from abstract shapes only:
+    nothing is allocated on a device and no file is written (`gpurl plan` stops here)."""
     algorithm = registry.get(cfg.algo.name)
     stepper_cls = STEPPERS[algorithm.family]
     mesh = trainer_mesh(cfg.mesh, stepper_cls.trainer_devices(cfg.mesh))
@@ -170,10 +172,19 @@ def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
                      lambda: load_initial(spec, place.state.params))
     setup = Setup(algorithm, cfg.algo, spec, objective, loading.load_tokenizer(model_cfg),
                   place, step_fn, init)
-    session = _Session(cfg, run_dir, place, stepper_cls.build(setup, cfg),
+    return cfg, setup, stepper_cls.build(setup, cfg)
+
+
+def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
+    cfg, setup, stepper = build(cfg)
+    plans = memory_plan(cfg, setup, stepper) if cfg.plan.check else []
+    check(cfg, plans)  # before anything is allocated; the run reuses the compiled programs
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    session = _Session(cfg, run_dir, setup.place, stepper,
                        lr_schedule(cfg.optim, cfg.train.steps),
-                       Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints))
-    return session, init
+                       Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints), plans)
+    return session, setup.init
 
 
 def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, dict]:
@@ -289,6 +300,7 @@ def _train(cfg: Config, stop: _Stop) -> dict[str, Any]:
     sink.message(
         f"[gpurl] {cfg.algo.name} on {cfg.model.name} ({count_params(state.params):,} params), "
         f"mesh {dict(s.place.mesh.shape)}, {s.stepper.describe()}, "
+        + (f"memory per device: {plan_summary(s.plans)}, " if s.plans else "")
         + (f"resuming from step {start}" if resumed else "starting at step 0")
         + f", run dir {s.run_dir}")
     try:

@@ -36,7 +36,8 @@ from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.engine import RolloutEngine
 from gpurl.rollout.prompts import encode_prompts
 from gpurl.rollout.sampler import MIN_PROMPT_BUCKET, bucket
-from gpurl.train.step import TrainState
+from gpurl.train.plan import shard_bytes
+from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.stepper import Setup, Stepper
 from gpurl.train.weights import initial_policy
 
@@ -65,22 +66,46 @@ class PreferenceStepper(Stepper):
         # With LoRA the reference is the frozen base inside the train state (`_reference`).
         reference = setup.algorithm.needs_reference(setup.algo)
         self.base_ref = reference and lora_base
-        self.ref_params = (initial_policy(spec, place.state.params, train.seed)
-                           if reference and not lora_base else None)
+        self.own_ref = reference and not lora_base  # a separate frozen copy (`ref_params`)
         self.reference = reference
         # A pair loss over summed log-probs (DPO, SimPO, ORPO) is evaluated on log-probs
         # computed once per batch, the reference's with the same compiled function, so at
         # step 0 DPO's implicit rewards are exactly 0; a reward model on its own loss.
         self.pair_loss = (setup.objective.pair_loss
                           if isinstance(setup.objective, PairObjective) else None)
-        self._logps = jax.jit(functools.partial(sequence_logps, spec.policy),
-                              in_shardings=(place.state.params, place.batch),
-                              out_shardings=place.batch) if spec.policy is not None else None
+        self._logps = jit_rows(functools.partial(sequence_logps, spec.policy), place.batch,
+                               in_shardings=(place.state.params, place.batch),
+                               out_shardings=place.batch) if spec.policy is not None else None
         self._ref_cache: dict[int, jax.Array] = {}
-        self._metrics = jax.jit(self._eval_metrics, out_shardings=replicated(place.mesh))
+        self._metrics = jit_rows(self._eval_metrics, place.batch,
+                                 out_shardings=replicated(place.mesh))
         self.task = (_TaskEval(setup, data, rollout, mesh, rewards, self.evals.rows, train)
                      if self.evals is not None and spec.policy is not None
                      and _has_task(rewards, self.evals.rows) else None)
+
+    @functools.cached_property
+    def ref_params(self) -> Params | None:
+        """The frozen initial model, loaded at the first step (after the memory check);
+        None without a reference or when it is a LoRA run's base."""
+        if not self.own_ref:
+            return None
+        return initial_policy(self.setup.spec, self.setup.place.state.params, self.train_cfg.seed)
+
+    def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        pairs = take_pairs(self.train, np.arange(1))
+        spec = {k: jax.ShapeDtypeStruct((self.train_cfg.batch_size,) + v.shape[1:], v.dtype)
+                for k, v in pairs.items()}
+        if self.reference:
+            spec["ref_logps"] = jax.ShapeDtypeStruct((self.train_cfg.batch_size, 2), jnp.float32)
+        return spec
+
+    def resident_bytes(self) -> float:
+        """The frozen reference beside the train state."""
+        if not self.own_ref:
+            return 0.0
+        spec, place = self.setup.spec, self.setup.place
+        return shard_bytes(spec.policy_params(place.abstract_state.params),
+                           spec.policy_params(place.state.params))
 
     def describe(self) -> str:
         skipped = self.train.num_skipped + (self.evals.num_skipped if self.evals else 0)

@@ -14,6 +14,7 @@ loop reads step s's metrics after dispatching step s+1.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import Any, Sequence
 
@@ -29,6 +30,7 @@ from gpurl.distributed import runtime
 from gpurl.distributed.mesh import placement_devices, replicated
 from gpurl.distributed.sync import WeightSync
 from gpurl.models import lora
+from gpurl.models.spec import Params
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.collect import Collector, Shaping
 from gpurl.rollout.decode import local_rows
@@ -36,9 +38,11 @@ from gpurl.rollout.engine import Round, RolloutEngine
 from gpurl.rollout.prompts import Prompts, encode_prompts
 from gpurl.rollout.sampler import MIN_PROMPT_BUCKET, bucket
 from gpurl.train.metrics import DeviceTimer, Sum
-from gpurl.train.step import TrainState
+from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.stepper import Setup, Stepper
-from gpurl.train.weights import initial_policy, load_reward_model
+from gpurl.train.plan import ProgramPlan, plan_rollout, shard_bytes
+from gpurl.train.weights import (initial_policy, reward_model_params, reward_model_shardings,
+                                 reward_model_spec)
 
 
 class RLStepper(Stepper):
@@ -69,10 +73,11 @@ class RLStepper(Stepper):
         # LoRA it is the train state's own frozen base, adapters read as 0 (`_prepare_fn`).
         reference = setup.algorithm.needs_reference(algo)
         self.base_ref = reference and lora_base
-        self.ref_params = (initial_policy(spec, place.state.params, train.seed)
-                           if reference and not lora_base else None)
-        self.reward_model = (load_reward_model(algo.reward_model, spec.cfg, place.mesh,
-                                               mesh.train_rules) if algo.reward_model else None)
+        self.own_ref = reference and not lora_base  # a separate frozen copy (`ref_params`)
+        self.reward_spec = (reward_model_spec(algo.reward_model, spec.cfg)
+                            if algo.reward_model else None)
+        self._rm_shardings = (reward_model_shardings(self.reward_spec, place.mesh, mesh.train_rules)
+                              if self.reward_spec is not None else None)
         self.functions = load_rewards(rewards, default_rewards(data))
         longest = max(len(t) for t in self.prompts.tokens + (self.evals.tokens if self.evals else []))
         self.engine = RolloutEngine(spec.policy, setup.tokenizer, rollout, mesh, self.functions,
@@ -83,7 +88,7 @@ class RLStepper(Stepper):
         # With a reward model and no reward functions named, the functions (the data's
         # answer check) only report; the reward model's score is the reward.
         shaping = Shaping(rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty,
-                          0.0 if self.reward_model is not None and not rewards.functions else 1.0)
+                          0.0 if self.reward_spec is not None and not rewards.functions else 1.0)
         self.collector = Collector(
             self.engine, self.prompts, group=algo.num_generations, batch_size=train.batch_size,
             seed=train.seed, shaping=shaping, drop_equal=algo.dynamic_sampling,
@@ -96,15 +101,94 @@ class RLStepper(Stepper):
         self._prefetched: tuple[int, Round] | None = None
         self.carry = {k: jnp.float32(v) for k, v in setup.algorithm.carry(algo).items()}
         self._timer: DeviceTimer | None = None
-        ctx = RLContext(spec, rollout.temperature,
-                        None if self.reward_model is None else self.reward_model[0])
-        self._prepare = jax.jit(functools.partial(self._prepare_fn, ctx),
-                                out_shardings=(place.batch, replicated(place.mesh),
+        ctx = RLContext(spec, rollout.temperature, self.reward_spec)
+        self._prepare = jit_rows(functools.partial(self._prepare_fn, ctx), place.batch,
+                                 out_shardings=(place.batch, replicated(place.mesh),
                                                replicated(place.mesh)))
+
+    # The frozen reference and reward model are loaded at the first step, after the memory
+    # plan has checked that everything fits (nothing is allocated before it).
+    @functools.cached_property
+    def ref_params(self) -> Params | None:
+        """The reference when it is a separate frozen copy of the initial policy (rebuilt,
+        not checkpointed, on resume); None when there is none or it is a LoRA run's base."""
+        if not self.own_ref:
+            return None
+        return initial_policy(self.setup.spec, self.setup.place.state.params, self.train.seed)
+
+    @functools.cached_property
+    def rm_params(self) -> Params | None:
+        if self.reward_spec is None:
+            return None
+        return reward_model_params(self.algo.reward_model, self.reward_spec, self._rm_shardings)
+
+    def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The prepared batch's shapes: the collector's arrays through the prepare step."""
+        p, g = self.train.batch_size, self.algo.num_generations
+        n, w = self.engine.sampler.cfg.max_new_tokens, self.engine.prompt_width
+        i32, f32 = jnp.int32, jnp.float32
+        sds = jax.ShapeDtypeStruct
+        collected = {"prompt_tokens": sds((p, w), i32), "prompt_lengths": sds((p,), i32),
+                     "completions": sds((p, g, n), i32), "completion_lengths": sds((p, g), i32),
+                     "comp_mask": sds((p, g, n), f32), "sampler_logprobs": sds((p, g, n), f32)}
+        params = self.setup.place.abstract_state.params
+        ref = self.setup.spec.policy_params(params) if self.own_ref else None
+        rm = self.reward_spec.abstract_params if self.reward_spec is not None else None
+        return jax.eval_shape(self._prepare, params, ref, rm, collected, sds((p * g,), f32),
+                              self.carry)[0]
+
+    def _frozen_bytes(self) -> float:
+        """The reference and the reward model, per trainer device."""
+        place, total = self.setup.place, 0.0
+        if self.own_ref:
+            total += shard_bytes(self.setup.spec.policy_params(place.abstract_state.params),
+                                 self.setup.spec.policy_params(place.state.params))
+        if self.reward_spec is not None:
+            total += shard_bytes(self.reward_spec.abstract_params, self._rm_shardings)
+        return total
+
+    def _sampling_copy(self) -> tuple[float, float]:
+        """(bytes per device of the policy's parameters in the rollout layout that are a
+        copy, bytes that share the trainer's buffers): colocated leaves already in the
+        rollout layout are not copied."""
+        spec, place = self.setup.spec, self.setup.place
+        abstract = jax.tree.leaves(spec.policy_params(place.abstract_state.params))
+        train_sh = jax.tree.leaves(spec.policy_params(place.state.params))
+        sample_sh = jax.tree.leaves(self.engine.sampler.param_shardings)
+        shared = [self.sync.colocated and t.is_equivalent_to(s, x.ndim)
+                  for x, t, s in zip(abstract, train_sh, sample_sh)]
+        copy = shard_bytes([x for x, sh in zip(abstract, shared) if not sh],
+                           [s for s, sh in zip(sample_sh, shared) if not sh])
+        alias = shard_bytes([x for x, sh in zip(abstract, shared) if sh],
+                            [s for s, sh in zip(sample_sh, shared) if sh])
+        return copy, alias
+
+    def resident_bytes(self) -> float:
+        """Beside the train step: the frozen models and, colocated, the sampling copy."""
+        return self._frozen_bytes() + (self._sampling_copy()[0] if self.sync.colocated else 0.0)
+
+    def rollout_plan(self, limit: float) -> ProgramPlan:
+        """The sampling program of a rollout round (batch_size x G rows at the run's prompt
+        width), compiled for the run; colocated, the train state stays beside it."""
+        rows, g = self.train.batch_size * self.algo.num_generations, self.algo.num_generations
+        sampler = self.engine.sampler
+        group = math.gcd(g, rows // max(sampler.mesh.shape["data"], 1))
+        resident = 0.0
+        if self.sync.colocated:
+            place = self.setup.place
+            state = (shard_bytes(place.abstract_state.params, place.state.params)
+                     + shard_bytes(place.abstract_state.opt_state, place.state.opt_state))
+            resident = state - self._sampling_copy()[1] + self._frozen_bytes()
+        return plan_rollout(sampler, rows, self.engine.prompt_width, group, resident, limit)
+
+    def plan_prompt_len(self, tokens: int) -> None:
+        """Rollouts of prompts padded to `tokens` (rounded up to a bucket) instead of the
+        data's longest: what `gpurl plan` compiles and counts."""
+        self.engine.prompt_width = bucket(tokens, MIN_PROMPT_BUCKET)
 
     def describe(self) -> str:
         names = ", ".join(r.name for r in self.functions)
-        if self.reward_model is not None:
+        if self.reward_spec is not None:
             names = (f"reward model {self.algo.reward_model}"
                      + (f" + {names}" if self.collector.shaping.function_weight
                         else f" (reported: {names})"))
@@ -143,8 +227,7 @@ class RLStepper(Stepper):
         params, t_sync = self._sync(state)
         first, self._prefetched = (self._prefetched or (None, None)), None
         got = self.collector.collect(params, step, first[1] if first[0] == step else None)
-        rm_params = None if self.reward_model is None else self.reward_model[1]
-        batch, prepared, self.carry = self._prepare(state.params, self.ref_params, rm_params,
+        batch, prepared, self.carry = self._prepare(state.params, self.ref_params, self.rm_params,
                                                     got.batch, got.rewards, self.carry)
         nonfinite = 0.0
         for _ in range(self.algo.num_iterations):

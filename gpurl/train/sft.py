@@ -42,6 +42,11 @@ class SFTStepper(Stepper):
         local = process_rows(indices, runtime.process_index(), runtime.process_count())
         return self.setup.step_fn(state, self.setup.to_global(take(self.rows, local)))
 
+    def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        rows = take(self.rows, np.arange(1))
+        return {k: jax.ShapeDtypeStruct((self.train.batch_size,) + v.shape[1:], v.dtype)
+                for k, v in rows.items()}
+
     def evaluate(self, params) -> dict[str, float]:
         totals: dict[str, float] = {}
         rank, count = runtime.process_index(), runtime.process_count()

@@ -21,6 +21,7 @@ from gpurl.distributed.mesh import Rules, batch_sharding, replicated, tree_shard
 from gpurl.models import lora
 from gpurl.models.paths import param_path
 from gpurl.models.spec import ModelSpec, Params
+from gpurl.models.transformer import sharded_rows
 from gpurl.train.optim import trainable
 
 
@@ -152,9 +153,44 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
     return grads, jax.tree.map(lambda m: m.sum(0), metrics_M)
 
 
+def jit_rows(fn: Callable, rows: NamedSharding, **jit_kwargs: Any) -> Any:
+    """`jax.jit(fn)` whose model activations keep their rows sharded like the batch `rows`
+    (`gpurl.models.transformer.sharded_rows`): with FSDP, XLA then gathers the weights
+    rather than the activations."""
+    def traced(*args: Any) -> Any:
+        with sharded_rows(rows):
+            return fn(*args)
+
+    return jax.jit(traced, **jit_kwargs)
+
+
+class Program:
+    """A jitted function that `compile` replaces by its ahead-of-time compilation for given
+    abstract arguments (the memory plan's), which every later call then runs: the check
+    costs no second compile."""
+
+    def __init__(self, jitted: Any):
+        self.jitted = self.fn = jitted
+
+    def compile(self, *abstract_args: Any) -> Any:
+        self.fn = self.jitted.lower(*abstract_args).compile()
+        return self.fn
+
+    def __call__(self, *args: Any) -> Any:
+        if self.fn is self.jitted:
+            return self.fn(*args)
+        try:
+            return self.fn(*args)
+        except (TypeError, ValueError):
+            # Arguments that differ from the planned ones (a compiled program checks them
+            # before it runs, so nothing was consumed): jit compiles for them instead.
+            self.fn = self.jitted
+            return self.fn(*args)
+
+
 def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.GradientTransformation,
                     place: Placement, num_micro: int, freeze: tuple[str, ...] = (),
-                    skip_nonfinite: bool = False) -> Callable[[TrainState, Batch], tuple]:
+                    skip_nonfinite: bool = False) -> Program:
     """The jitted step. Its metrics hold `nonfinite` (1.0 when the loss or the gradient
     norm is NaN or infinite); with `skip_nonfinite` such an update is left out: parameters
     and optimizer state come back unchanged (the step counter and RNG still advance)."""
@@ -182,8 +218,8 @@ def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.Grad
                                rng=jax.random.key_data(key))
         return new_state, metrics
 
-    return jax.jit(step, in_shardings=(place.state, place.batch),
-                   out_shardings=(place.state, replicated(place.mesh)), donate_argnums=0)
+    return Program(jit_rows(step, place.batch, in_shardings=(place.state, place.batch),
+                            out_shardings=(place.state, replicated(place.mesh)), donate_argnums=0))
 
 
 def make_eval_step(spec: ModelSpec, objective: Objective, place: Placement) -> Callable:
@@ -192,8 +228,8 @@ def make_eval_step(spec: ModelSpec, objective: Objective, place: Placement) -> C
         _, metrics = objective.loss(spec, params, batch, jnp.float32(1.0))
         return metrics
 
-    return jax.jit(step, in_shardings=(place.state.params, place.batch),
-                   out_shardings=replicated(place.mesh))
+    return jit_rows(step, place.batch, in_shardings=(place.state.params, place.batch),
+                    out_shardings=replicated(place.mesh))
 
 
 def make_init(spec: ModelSpec, optimizer: optax.GradientTransformation, place: Placement,

@@ -16,7 +16,7 @@ import numpy as np
 
 from gpurl.algorithms.objective import Objective
 from gpurl.algorithms.registry import Algorithm
-from gpurl.config import AlgoConfig, Config, MeshConfig
+from gpurl.config import AlgoConfig, Config, ConfigError, MeshConfig
 from gpurl.models.tokenizer import Tokenizer
 from gpurl.train.step import Placement, TrainState
 
@@ -66,6 +66,23 @@ class Stepper:
 
     def evaluate(self, params: Any) -> dict[str, float]:
         raise NotImplementedError
+
+    def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Global shapes and dtypes of the train step's batch (the memory plan compiles it)."""
+        raise NotImplementedError
+
+    def resident_bytes(self) -> float:
+        """Bytes per device that stay beside the train state (a frozen reference)."""
+        return 0.0
+
+    def rollout_plan(self, limit: float) -> Any:
+        """The sampling program's `ProgramPlan` (compiled ahead of time); None without one."""
+        return None
+
+    def plan_prompt_len(self, tokens: int) -> None:
+        """`plan.prompt_len`: plan for prompts of `tokens` tokens (gpurl plan's what-if)."""
+        raise ConfigError(f"plan.prompt_len={tokens} sizes the prompts of RL rollouts; for this "
+                          f"algorithm set data.max_len and data instead.")
 
     def state_meta(self) -> dict[str, float]:
         """Host state a checkpoint records beside the arrays."""

@@ -34,19 +34,35 @@ def initial_policy(spec: Any, shardings: Params, seed: int) -> Params:
     return jax.jit(lambda: policy.init(seed), out_shardings=shardings)()
 
 
-def load_reward_model(path: str, policy_cfg: ModelConfig, mesh: Mesh,
-                      rules: Rules) -> tuple[ScalarSpec, Params]:
-    """`algo.reward_model`: an HF sequence-classification directory, placed on the trainer
-    mesh (frozen). Its vocabulary must be the policy's: it scores the policy's tokens."""
+def reward_model_spec(path: str, policy_cfg: ModelConfig) -> ScalarSpec:
+    """`algo.reward_model`'s spec, from its HF config (nothing loaded). Its vocabulary must
+    be the policy's: it scores the policy's tokens."""
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"algo.reward_model={path} is not an HF directory with config.json; "
                           f"export an algo=rm run with `gpurl export checkpoint=RUN_DIR out=DIR` "
                           f"and point algo.reward_model at DIR.")
-    cfg = model_config_from_hf(path, dataclasses.replace(policy_cfg, checkpoint=path))
+    cfg = model_config_from_hf(path, dataclasses.replace(policy_cfg, checkpoint=path,
+                                                         init="checkpoint"))
     if cfg.vocab_size != policy_cfg.vocab_size:
         raise ConfigError(f"algo.reward_model={path} has a vocabulary of {cfg.vocab_size} tokens "
                           f"but the policy's has {policy_cfg.vocab_size}; train the reward model "
                           f"from the policy's base model (algo=rm) so both read the same tokens.")
-    spec = scalar_spec(cfg)
-    shardings = tree_shardings(spec.abstract_params, spec.logical_axes, rules, mesh)
-    return spec, load_scalar_hf(path, spec, shardings)
+    return scalar_spec(cfg)
+
+
+def reward_model_shardings(spec: ScalarSpec, mesh: Mesh, rules: Rules) -> Params:
+    """Where the frozen reward model's parameters live on the trainer mesh."""
+    return tree_shardings(spec.abstract_params, spec.logical_axes, rules, mesh)
+
+
+def load_reward_model(path: str, policy_cfg: ModelConfig, mesh: Mesh,
+                      rules: Rules) -> tuple[ScalarSpec, Params]:
+    """`algo.reward_model`: an HF sequence-classification directory, placed on the trainer
+    mesh (frozen)."""
+    spec = reward_model_spec(path, policy_cfg)
+    return spec, reward_model_params(path, spec, reward_model_shardings(spec, mesh, rules))
+
+
+def reward_model_params(path: str, spec: ScalarSpec, shardings: Params) -> Params:
+    """The reward model's parameters, read from `path` straight into `shardings`."""
+    return load_scalar_hf(path, spec, shardings)

@@ -1,0 +1,177 @@
+"""What fits where: `gpurl plan` (every program of a GRPO run compiled ahead of time for
+simulated devices, nothing allocated) over the presets, from abstract arrays only.
+
+    # docs/scaling.md: the longest completion (prompt 512, G=8, 8 sequences per device)
+    # whose GRPO step and rollout fit, per preset, full fine-tuning and LoRA (~30 min each)
+    python benchmarks/plan.py table --devices 8 --json plan8.json
+    python benchmarks/plan.py table --devices 1 --json plan1.json
+    # benchmarks/README.md: fixed settings (memory per device, lower + compile time)
+    python benchmarks/plan.py settings --devices 8 --json settings8.json
+    python benchmarks/plan.py settings --devices 1 --json settings1.json
+    # the table of docs/scaling.md from the two table runs
+    python benchmarks/plan.py markdown plan1.json plan8.json
+
+One process simulates one device count (`plan.devices`, set before JAX starts). On a GPU
+machine, `--devices 0` plans for the devices there are (the GPU compiler's figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import time
+from typing import Any, Sequence
+
+import jax
+
+from gpurl.cli.compose import validate
+from gpurl.commands.plan import plan_programs, simulate_devices
+from gpurl.train.plan import GIB
+
+# Every preset from 1B to 70B parameters, smallest first.
+PRESETS = ("gemma3_1b", "llama3_1b", "qwen2_5_1_5b", "qwen3_1_7b", "gemma2b", "gemma2_2b",
+           "gemma3_4b", "qwen2_5_7b", "llama3_8b", "qwen3_8b", "gemma7b", "gemma2_9b",
+           "gemma3_12b", "qwen2_5_14b", "qwen3_14b", "gemma3_27b", "qwen2_5_32b", "qwen3_32b",
+           "llama3_70b")
+LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+# (name, overrides, devices it is meant for): the issue's settings and the depth check.
+SETTINGS = (
+    ("llama3_8b fsdp=8, 8 x 512 x G=8 x 1024", 8,
+     ["model=llama3_8b", "train.batch_size=8", "plan.prompt_len=512", "algo.num_generations=8",
+      "rollout.max_new_tokens=1024"]),
+    ("llama3_8b fsdp=8, 8 x 256 x G=4 x 256", 8,
+     ["model=llama3_8b", "train.batch_size=8", "plan.prompt_len=256", "algo.num_generations=4",
+      "rollout.max_new_tokens=256"]),
+    ("llama3_1b fsdp=8, 8 x 512 x G=8 x 1024", 8,
+     ["model=llama3_1b", "train.batch_size=8", "plan.prompt_len=512", "algo.num_generations=8",
+      "rollout.max_new_tokens=1024"]),
+    ("gemma2b 1 device, 1 x 256 x G=8 x 1024", 1,
+     ["model=gemma2b", "train.batch_size=1", "plan.prompt_len=256", "algo.num_generations=8",
+      "rollout.max_new_tokens=1024"]),
+)
+
+
+def mesh_overrides(devices: int) -> list[str]:
+    """The layout the table assumes: the trainer fully sharded over every device, and the
+    rollout copy of the weights split by tensor parallelism over every device."""
+    return ["mesh.data=1", "mesh.fsdp=-1", f"mesh.rollout_tp={max(devices, 1)}"]
+
+
+def run_plan(overrides: list[str], extra: list[str]) -> dict[str, Any]:
+    """One `gpurl plan` in this process; `extra`: the device count and memory overrides."""
+    cfg = validate(["algo=grpo", "data.num_eval=0", "logger.progress=false", *overrides, *extra])
+    t0 = time.perf_counter()
+    _, _, plans = plan_programs(cfg)
+    out: dict[str, Any] = {"overrides": overrides, "plan_s": round(time.perf_counter() - t0, 2),
+                           "fits": all(p.fits for p in plans)}
+    for p in plans:
+        out[p.name] = {"total_gib": round(p.total / GIB, 3), "limit_gib": round(p.limit / GIB, 3),
+                       "compile_s": round(p.compile_s, 2),
+                       "parts_gib": {k: round(v / GIB, 3) for k, v in p.parts.items()},
+                       "analysis_gib": {k: round(v / GIB, 3) for k, v in p.analysis.items()}}
+    return out
+
+
+def longest(preset: str, devices: int, lora: bool, lengths: Sequence[int],
+            extra: list[str]) -> dict[str, Any]:
+    """The longest completion in `lengths` whose programs fit. Memory grows with the
+    completion length, so a binary search over `lengths` finds it in about log2(len) plans."""
+    rows = max(devices, 1) * 8  # 8 sequences per device
+    base = [f"model={preset}", f"train.batch_size={rows // 8}", "algo.num_generations=8",
+            "plan.prompt_len=512", *mesh_overrides(devices)]
+    base += ["model.lora.rank=16"] if lora else []
+    tried: dict[int, dict[str, Any]] = {}
+
+    def fits(i: int) -> bool:
+        n = lengths[i]
+        result = tried[n] = run_plan(base + [f"rollout.max_new_tokens={n}"], extra)
+        print(f"  {preset} {'lora' if lora else 'full'} N={n}: "
+              + ", ".join(f"{k} {result[k]['total_gib']:.1f}" for k in ("train step", "rollout"))
+              + (" GiB: fits" if result["fits"] else " GiB: does NOT fit"), flush=True)
+        return result["fits"]
+
+    lo, hi = -1, len(lengths)  # lengths[lo] fits (or lo = -1), lengths[hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    best = lengths[lo] if lo >= 0 else None
+    return {"preset": preset, "lora": lora, "longest": best,
+            "tried": [tried[n] for n in sorted(tried)]}
+
+
+def table(args: argparse.Namespace, extra: list[str]) -> list[dict]:
+    lengths = [int(x) for x in args.lengths.split(",")]
+    results = [longest(p, args.devices, lora, lengths, extra)
+               for p in args.presets.split(",") for lora in (False, True)]
+    print(f"\n| preset | full fine-tuning | LoRA (rank 16) |   ({args.devices or 'local'} "
+          f"device(s) of {args.memory_gb or 80:.0f} GiB)\n| --- | ---: | ---: |")
+    by = {(r["preset"], r["lora"]): r["longest"] for r in results}
+    for preset in args.presets.split(","):
+        cells = [f"{by[preset, lora]:,}" if by[preset, lora] else "does not fit"
+                 for lora in (False, True)]
+        print(f"| `{preset}` | {cells[0]} | {cells[1]} |")
+    return results
+
+
+def settings(args: argparse.Namespace, extra: list[str]) -> list[dict]:
+    results = []
+    print("| setting | per-device arguments | per-device temp | lower + compile |\n"
+          "| --- | ---: | ---: | ---: |")
+    for name, devices, overrides in SETTINGS:
+        if devices != max(args.devices, 1) and args.devices:
+            continue
+        for remat in args.remat.split(","):
+            r = run_plan(overrides + ["mesh.data=1", "mesh.fsdp=-1", f"model.remat={remat}"],
+                         extra)
+            step = r["train step"]
+            a = step["analysis_gib"]
+            print(f"| {name}, remat={remat} | {a['arguments']:.1f} GiB | {a['temp']:.1f} GiB | "
+                  f"{step['compile_s']:.1f} s |", flush=True)
+            results.append({"setting": name, "remat": remat, **r})
+    return results
+
+
+def markdown(paths: Sequence[str]) -> None:
+    """docs/scaling.md's table: one column pair (full, LoRA) per table run."""
+    runs = [json.load(open(p)) for p in paths]
+    head = " | ".join(f"{r['meta']['devices']} x 80 GiB: full | LoRA" for r in runs)
+    print(f"| preset | {head} |\n| --- |" + " ---: | ---: |" * len(runs))
+    for preset in PRESETS:
+        cells = []
+        for r in runs:
+            by = {x["lora"]: x["longest"] for x in r["results"] if x["preset"] == preset}
+            cells += [f"{by[lora]:,}" if by.get(lora) else "-" for lora in (False, True)]
+        print(f"| `{preset}` | " + " | ".join(cells) + " |")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=("table", "settings", "markdown"))
+    p.add_argument("files", nargs="*", help="markdown: the JSON files of table runs")
+    p.add_argument("--devices", type=int, default=8, help="simulated devices; 0 = the real ones")
+    p.add_argument("--memory-gb", type=float, default=0.0, help="device memory; 0 = 80 when simulated")
+    p.add_argument("--presets", default=",".join(PRESETS))
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--remat", default="none,full", help="settings: the remat policies to compare")
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    if args.what == "markdown":
+        return markdown(args.files)
+    if args.devices:
+        simulate_devices(args.devices)
+    extra = [f"plan.devices={args.devices}"] if args.devices else []
+    extra += [f"plan.device_memory_gb={args.memory_gb}"] if args.memory_gb else []
+    results = (table if args.what == "table" else settings)(args, extra)
+    if args.json:
+        meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+                "backend": jax.default_backend(), "machine": platform.processor() or platform.machine(),
+                "devices": args.devices}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

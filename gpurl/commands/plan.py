@@ -1,0 +1,85 @@
+"""`gpurl plan`: the memory plan of a `gpurl train` command (same overrides), printed and
+nothing allocated. Every program the run would compile (the train step; for RL the
+rollout round) is compiled ahead of time for the mesh the run would use, from abstract
+arrays, and XLA's memory analysis is split into the parts a user can act on.
+
+On a CPU machine `plan.devices=N` simulates N devices, so the plan of an 8-GPU run can be
+made on a laptop; the CPU compiler's figures are not a GPU's but of the same order (see
+docs/scaling.md). A preset without weights is planned from its architecture alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+
+from gpurl.config import Config, ConfigError
+from gpurl.distributed import runtime
+from gpurl.models.loading import PACKAGED
+from gpurl.models.transformer import remat_policy
+from gpurl.train.loop import build
+from gpurl.train.plan import GIB, ProgramPlan, memory_plan
+from gpurl.train.stepper import Setup
+
+# plan.devices without plan.device_memory_gb: the simulated devices are GPUs of this size
+# (H100 / A100 80 GB), not this host's RAM.
+SIMULATED_DEVICE_GB = 80.0
+
+
+def simulate_devices(devices: int) -> None:
+    """Makes JAX's CPU backend expose `devices` devices; must run before JAX starts."""
+    jax.config.update("jax_platforms", "cpu")
+    try:
+        jax.config.update("jax_num_cpu_devices", devices)
+    except RuntimeError:
+        if jax.device_count() != devices:
+            raise ConfigError(
+                f"plan.devices={devices} needs a fresh process, but JAX already started with "
+                f"{jax.device_count()} devices; run `gpurl plan` on its own.") from None
+
+
+def planned_config(cfg: Config) -> Config:
+    """The config `gpurl plan` compiles: simulated GPUs take their defaults (bf16, full
+    remat, 80 GiB), and a preset without weights is planned from its architecture."""
+    model = cfg.model
+    if cfg.plan.devices:  # simulated GPUs: their defaults, not the CPU's
+        model = dataclasses.replace(model, dtype="bfloat16" if model.dtype == "auto" else model.dtype,
+                                    remat="full" if model.remat == "auto" else model.remat)
+        cfg = dataclasses.replace(cfg, plan=dataclasses.replace(
+            cfg.plan, device_memory_gb=cfg.plan.device_memory_gb or SIMULATED_DEVICE_GB))
+    if model.init != "random" and model.checkpoint is None and model.name not in PACKAGED:
+        model = dataclasses.replace(model, init="random")  # only the shapes matter
+    return dataclasses.replace(cfg, model=model)
+
+
+def plan_programs(cfg: Config) -> tuple[Config, Setup, list[ProgramPlan]]:
+    """(the resolved config, what the run builds, the plan of each of its programs)."""
+    cfg, setup, stepper = build(planned_config(cfg))
+    if cfg.plan.prompt_len:
+        stepper.plan_prompt_len(cfg.plan.prompt_len)
+    return cfg, setup, memory_plan(cfg, setup, stepper)
+
+
+def plan(cfg: Config) -> list[ProgramPlan]:
+    """Prints one table per program of the run `cfg` describes; returns the plans."""
+    if cfg.plan.devices:
+        simulate_devices(cfg.plan.devices)
+    runtime.initialize(cfg.distributed)
+    t0 = time.perf_counter()
+    cfg, setup, plans = plan_programs(cfg)
+    total_s = time.perf_counter() - t0
+    if runtime.is_main_process():
+        devices = setup.place.mesh.devices
+        print(f"[gpurl] plan: {cfg.algo.name} on {cfg.model.name}, trainer mesh "
+              f"{dict(setup.place.mesh.shape)} of {devices.size} {devices.flat[0].platform} "
+              f"device(s), model.dtype={cfg.model.dtype}, model.remat="
+              f"{remat_policy(cfg.model)}; {total_s:.1f} s in all", flush=True)
+        for p in plans:
+            print(p.table(), flush=True)
+        worst = max(plans, key=lambda p: p.total / p.limit)
+        print(f"[gpurl] plan: {'fits' if all(p.fits for p in plans) else 'does NOT fit'} "
+              f"(largest program: {worst.name}, {worst.total / GIB:.2f} of "
+              f"{worst.limit / GIB:.1f} GiB per device)", flush=True)
+    return plans

@@ -1,0 +1,208 @@
+"""The memory plan of a run: every program it runs (the train step; for RL the rollout)
+compiled ahead of time for the mesh the run uses, from abstract arrays, with XLA's memory
+analysis split into the parts a user can act on, and checked against a device's memory.
+
+`gpurl plan` prints it. `gpurl train` computes it before it allocates anything, runs the
+programs it compiled for it (no second compile) and, when one does not fit, stops with one
+sentence naming the largest part and the cheapest fixes, never a kill by the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from gpurl.algorithms import registry
+from gpurl.algorithms.registry import Family
+from gpurl.config import Config, ConfigError, PlanConfig
+from gpurl.distributed import runtime
+from gpurl.distributed.mesh import batch_divisor
+from gpurl.models.transformer import remat_policy
+from gpurl.rollout.sampler import Sampler
+from gpurl.train.optim import trainable
+from gpurl.train.step import Placement, Program
+from gpurl.train.stepper import Setup, Stepper
+
+GIB = 2**30
+PARTS = ("parameters", "optimizer state", "gradients", "activations / scratch", "KV cache",
+         "inputs", "resident")
+
+
+def shard_bytes(abstract: Any, shardings: Any) -> int:
+    """Bytes one device holds of a tree of arrays laid out by `shardings` (the largest
+    shard where shards differ)."""
+    total = 0
+    for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+        total += math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def abstract(tree: Any, shardings: Any) -> Any:
+    """`tree`'s shapes and dtypes with `shardings`, as arguments to lower a program with."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+@dataclass
+class ProgramPlan:
+    """One compiled program's memory per device, in bytes, by part."""
+
+    name: str
+    parts: dict[str, float]
+    compile_s: float
+    limit: float  # bytes of one device
+    devices: int = 1  # devices of the program's mesh
+    fsdp: int = 1  # of which along mesh.fsdp
+    batch_shards: int = 1  # a micro-batch's rows are a multiple of it
+    notes: list[str] = field(default_factory=list)
+    analysis: dict[str, float] = field(default_factory=dict)  # XLA's: arguments, temp, outputs
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.limit
+
+    def largest(self) -> tuple[str, float]:
+        return max(self.parts.items(), key=lambda kv: kv[1])
+
+    def table(self) -> str:
+        rows = [(p, self.parts[p]) for p in PARTS if p in self.parts] + [("total", self.total)]
+        width = max(len(r[0]) for r in rows)
+        lines = [f"{self.name} (GiB per device; compiled in {self.compile_s:.1f} s)"]
+        lines += [f"  {name:<{width}}  {value / GIB:10.3f}" for name, value in rows]
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(f"  {'device memory':<{width}}  {self.limit / GIB:10.3f}  -> {verdict}")
+        lines += [f"  ({note})" for note in self.notes]
+        return "\n".join(lines)
+
+
+def device_memory(cfg: PlanConfig, device: jax.Device) -> tuple[float, str]:
+    """(bytes of one device, where the figure comes from)."""
+    if cfg.device_memory_gb:
+        return cfg.device_memory_gb * GIB, "plan.device_memory_gb"
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return float(stats["bytes_limit"]), f"{device.platform} bytes_limit"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    count = max(jax.local_device_count(), 1)
+    return host / count, f"host RAM / {count} local devices"
+
+
+def _memory(compiled: Any) -> tuple[float, float, float]:
+    """(arguments, temporaries, outputs not aliased to donated arguments) of a program."""
+    m = compiled.memory_analysis()
+    outputs = max(m.output_size_in_bytes - m.alias_size_in_bytes, 0)
+    return float(m.argument_size_in_bytes), float(m.temp_size_in_bytes), float(outputs)
+
+
+def plan_train_step(step: Program, place: Placement, batch: dict[str, Any], freeze: tuple,
+                    resident: float, limit: float) -> ProgramPlan:
+    """Compiles the train step (which the run then uses) and splits its memory: state parts
+    from the shardings, gradients from the trainable parameters, the rest of the scratch
+    as activations."""
+    state = abstract(place.abstract_state, place.state)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=place.batch) for k, v in batch.items()}
+    t0 = time.perf_counter()
+    compiled = step.compile(state, batch)
+    compile_s = time.perf_counter() - t0
+    args, temp, outputs = _memory(compiled)
+    params = shard_bytes(place.abstract_state.params, place.state.params)
+    opt = shard_bytes(place.abstract_state.opt_state, place.state.opt_state)
+    train = trainable(place.abstract_state.params, freeze)
+    if place.frozen is not None:
+        train = jax.tree.map(lambda t, f: t and not f, train, place.frozen)
+    grads = shard_bytes([x for x, t in zip(jax.tree.leaves(place.abstract_state.params),
+                                           jax.tree.leaves(train)) if t],
+                        [s for s, t in zip(jax.tree.leaves(place.state.params),
+                                           jax.tree.leaves(train)) if t])
+    grads = min(grads, temp)
+    parts = {"parameters": params, "optimizer state": opt, "gradients": grads,
+             "activations / scratch": temp - grads + outputs,
+             "inputs": max(args - params - opt, 0.0), "resident": resident}
+    return ProgramPlan("train step", parts, compile_s, limit,
+                       analysis={"arguments": args, "temp": temp, "outputs": outputs})
+
+
+def plan_rollout(sampler: Sampler, rows: int, width: int, group: int, resident: float,
+                 limit: float) -> ProgramPlan:
+    """Compiles the sampling program for `rows` prompts of `width` tokens (runs of `group`
+    identical ones), which the run then uses, and splits its memory: its arguments (the
+    parameters in the sampling layout, the prompts), the KV cache at full length (prompt +
+    rollout.max_new_tokens) and the rest of its scratch."""
+    t0 = time.perf_counter()
+    compiled = sampler.compile(rows, width, group)
+    compile_s = time.perf_counter() - t0
+    args, temp, outputs = _memory(compiled)
+    params = shard_bytes(sampler.spec.abstract_params, sampler.param_shardings)
+    kv = min(shard_bytes(*sampler.cache_layout(rows, width)), temp)
+    parts = {"parameters": params, "KV cache": kv, "activations / scratch": temp - kv + outputs,
+             "inputs": max(args - params, 0.0), "resident": resident}
+    notes = ["resident: the train state beside the sampling program (colocated)"] if resident else []
+    return ProgramPlan("rollout", parts, compile_s, limit, notes,
+                       analysis={"arguments": args, "temp": temp, "outputs": outputs})
+
+
+def memory_plan(cfg: Config, setup: Setup, stepper: Stepper) -> list[ProgramPlan]:
+    """Every program of the run compiled for its mesh from abstract arrays (the train
+    step, and for RL the rollout round), nothing allocated."""
+    local = [d for d in setup.place.mesh.devices.flat if d.process_index == jax.process_index()]
+    limit, source = device_memory(cfg.plan, local[0])
+    train = plan_train_step(setup.step_fn, setup.place, stepper.batch_spec(), cfg.optim.freeze,
+                            stepper.resident_bytes(), limit)
+    plans = [train] + [p for p in [stepper.rollout_plan(limit)] if p is not None]
+    mesh = setup.place.mesh  # the rollout's resident part is the train state: its mesh
+    for p in plans:
+        p.devices, p.fsdp = mesh.size, mesh.shape["fsdp"]
+        p.batch_shards = batch_divisor(mesh, cfg.mesh.train_rules)
+        p.notes.append(f"device memory: {source}")
+    return plans
+
+
+def plan_summary(plans: list[ProgramPlan]) -> str:
+    """The start-up line's part: each program's total of the device's memory."""
+    return ", ".join(f"{p.name} {p.total / GIB:.2f} GiB" for p in plans) + (
+        f" of {plans[0].limit / GIB:.1f} GiB")
+
+
+def advice(cfg: Config, plan: ProgramPlan) -> str:
+    """One sentence: what does not fit, its largest part, and the fixes, cheapest first
+    (remat, micro-batch, fsdp, LoRA, shorter completions)."""
+    part, size = plan.largest()
+    fixes = []
+    micro = cfg.train.batch_size // cfg.train.num_micro_batches
+    if plan.name == "train step" and remat_policy(cfg.model) != "full":
+        fixes.append("model.remat=full")
+    smaller = [d for d in range(plan.batch_shards, micro, plan.batch_shards) if micro % d == 0]
+    if plan.name == "train step" and smaller:
+        fixes.append(f"train.micro_batch_size={smaller[-1]}")
+    if plan.fsdp < plan.devices:
+        fixes.append("mesh.data=1 mesh.fsdp=-1")
+    if not cfg.model.lora.rank:
+        fixes.append("model.lora.rank=16")
+    if registry.get(cfg.algo.name).family is Family.RL and cfg.rollout.max_new_tokens > 1:
+        fixes.append(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens // 2}")
+    fixes = ", ".join(fixes) if fixes else "more devices or a smaller model"
+    return (f"the {plan.name} needs {plan.total / GIB:.1f} GiB per device but a device has "
+            f"{plan.limit / GIB:.1f} GiB (largest part: {part}, {size / GIB:.1f} GiB); try, "
+            f"cheapest first: {fixes} (`gpurl plan` with the same overrides prints every "
+            f"part; plan.device_memory_gb sets the limit, plan.check=false skips the check).")
+
+
+def check(cfg: Config, plans: list[ProgramPlan]) -> None:
+    """Raises one sentence for the first program that does not fit, on every process when
+    one process's does not (they would otherwise wait for each other)."""
+    if not plans:
+        return
+    bad = next((p for p in plans if not p.fits), None)
+    if runtime.any_process(bad is not None):
+        worst = bad or max(plans, key=lambda p: p.total / p.limit)
+        raise ConfigError(advice(cfg, worst))

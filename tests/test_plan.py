@@ -1,0 +1,129 @@
+"""The memory plan: `gpurl plan` compiles every program of a run ahead of time and
+allocates nothing; `gpurl train` checks it before it allocates anything, stops with one
+sentence when a program does not fit, and runs the programs it compiled for the check."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from conftest import TINY_MODEL, make_config
+from gpurl.config import ConfigError
+from gpurl.train import loop
+from gpurl.train.plan import GIB, memory_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RL = dict(algo={"name": "grpo", "num_generations": 4, "beta": 0.04}, model=TINY_MODEL,
+          data={"name": "arithmetic", "num_train": 16, "num_eval": 0, "max_len": 16},
+          rollout={"max_new_tokens": 8}, logger={"progress": False},
+          train={"steps": 1, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0,
+                 "eval_batch_size": 16, "eval_pass_k": 0})
+
+
+def _gpurl(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`gpurl` in a fresh process (one CPU device unless `env` says otherwise)."""
+    base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "gpurl.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**base, **(env or {})}, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_the_plan_allocates_nothing_and_the_run_uses_the_programs_it_compiled(tmp_path):
+    cfg = make_config(**RL, run={"dir": str(tmp_path / "run")})
+    cfg, setup, stepper = loop.build(cfg)
+    live = len(jax.live_arrays())
+    plans = memory_plan(cfg, setup, stepper)
+    assert len(jax.live_arrays()) == live  # compiled from abstract arrays only
+    assert [p.name for p in plans] == ["train step", "rollout"]
+    train, rollout = plans
+    assert train.fits and 0 < train.parts["parameters"] == rollout.parts["parameters"]
+    # Adam: mu and nu, plus a few step counters.
+    assert 0 <= train.parts["optimizer state"] - 2 * train.parts["gradients"] <= 64
+    assert train.parts["resident"] == train.parts["parameters"]  # the frozen reference (beta > 0)
+    assert rollout.parts["KV cache"] > 0 and "(device memory" in rollout.table()
+    assert train.total == pytest.approx(sum(train.parts.values()))
+    # The run dispatches the compiled programs: jit never traces the step or the sampler.
+    state, _ = stepper.step(setup.init(), 0)
+    jax.block_until_ready(state)
+    assert setup.step_fn.jitted._cache_size() == 0
+    assert stepper.engine.sampler.num_compiles() == 0
+
+
+@pytest.mark.slow
+def test_a_run_that_does_not_fit_stops_with_one_sentence_before_allocating(tmp_path):
+    cfg = make_config(**RL, run={"dir": str(tmp_path / "run")})
+    cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, device_memory_gb=1e-4))
+    live = len(jax.live_arrays())
+    with pytest.raises(ConfigError) as info:
+        loop.train(cfg)
+    message = str(info.value)
+    assert message.startswith("the train step needs ") and "\n" not in message
+    assert "largest part: " in message and "model.lora.rank=16" in message
+    assert "rollout.max_new_tokens=4" in message and "gpurl plan" in message
+    assert len(jax.live_arrays()) <= live and not (tmp_path / "run").exists()
+
+
+def test_a_real_model_preset_without_weights_is_one_sentence():
+    """The mission's own command on a machine without Gemma 2B's weights: no random 2.5B
+    model trained in silence (or killed by the kernel) but a request for the checkpoint."""
+    out = _gpurl("train", "algo=grpo", "model=gemma2b", timeout=120)
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip()
+    assert line.startswith("gpurl: error: model=gemma2b has no weights here; set "
+                           "model.checkpoint=") and "model.init=random" in line
+    assert len(line.splitlines()) == 1
+
+
+@pytest.mark.e2e
+def test_gpurl_plan_of_llama3_8b_on_8_simulated_gpus():
+    """The small side of docs/scaling.md: GRPO on llama3_8b, fsdp over 8 simulated 80 GiB
+    devices, 8 prompts of 512 tokens x G=8 x 1,024 new tokens (compile only): it fits, and
+    the train step's arguments + scratch are within the 48 GiB target (547 GiB unrolled
+    without remat)."""
+    out = _gpurl("plan", "model=llama3_8b", "plan.devices=8", "mesh.data=1", "mesh.fsdp=-1",
+                 "mesh.rollout_tp=8", "train.batch_size=8", "algo.num_generations=8",
+                 "plan.prompt_len=512", "rollout.max_new_tokens=1024", "data.num_eval=0")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "trainer mesh {'data': 1, 'fsdp': 8, 'tp': 1} of 8 cpu device(s)" in text
+    assert "model.dtype=bfloat16, model.remat=full" in text and "[gpurl] plan: fits" in text
+    train_table = text.split("train step (GiB per device")[1].split("rollout (GiB")[0]
+    parts = {}
+    for line in train_table.splitlines()[1:]:  # "  parameters      3.740"
+        name, _, value = line.strip().rpartition("  ")
+        if value.replace(".", "").isdigit():
+            parts[name.strip()] = float(value)
+    assert parts["parameters"] == pytest.approx(8_030_261_248 * 4 / 8 / GIB, rel=1e-3)
+    assert parts["parameters"] + parts["optimizer state"] + parts["gradients"] \
+        + parts["activations / scratch"] <= 48.0
+
+
+@pytest.mark.e2e
+def test_remat_fits_a_4096_token_sequence_that_the_check_rejects_without_it(tmp_path):
+    """One 4,096-token SFT sequence of Qwen 3 0.6B (random weights, fp32) on this machine:
+    without remat the pre-flight check reports that it does not fit (before anything is
+    allocated, so no OOM kill); with model.remat=full it trains, within the host's RAM."""
+    text = "".join(chr(97 + (i * 7919) % 26) for i in range(4093))  # + bos, eos: 4,096 tokens
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "a", "completion": text}) + "\n")
+    args = ["train", "algo=sft", "model=qwen3_0_6b", "model.init=random", "data=jsonl",
+            f"data.path={tmp_path / 'long.jsonl'}", "data.max_len=4096", "data.num_eval=0",
+            "optim=adamw", "train=default", "train.steps=1", "train.batch_size=1",
+            "train.checkpoint_every=0", "logger.progress=false"]
+    none = _gpurl(*args, "model.remat=none", f"run.dir={tmp_path / 'none'}")
+    assert none.returncode == 2, none.stderr
+    assert none.stderr.startswith("gpurl: error: the train step needs ")
+    assert "largest part: activations / scratch" in none.stderr and "model.remat=full" in none.stderr
+    full = _gpurl(*args, "model.remat=full", f"run.dir={tmp_path / 'full'}", timeout=1500)
+    assert full.returncode == 0, full.stderr
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["finished"] and summary["step"] == 1
+    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    assert summary["peak_host_memory_gb"] < 0.8 * host_gib, summary
