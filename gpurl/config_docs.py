@@ -29,8 +29,8 @@ import yaml
 from gpurl import config as config_module
 from gpurl.algorithms import registry
 from gpurl.cli.compose import config_dir
-from gpurl.config import (MOVED_KEYS, REWARDS_SHORTHAND, AlgoConfig, Config, EvalConfig,
-                          GenerateConfig, yaml_key)
+from gpurl.config import AlgoConfig, Config, EvalConfig, GenerateConfig
+from gpurl.config_dicts import MOVED_KEYS, REWARDS_SHORTHAND, yaml_key
 
 DOC_PATH = Path("docs/configuration.md")
 REGENERATE = "python -m gpurl.config_docs"

@@ -18,7 +18,8 @@ from gpurl.algorithms.objective import Objective
 from gpurl.algorithms.rl import Prepare
 from gpurl.config import (AlgoConfig, Config, ConfigError, DPOConfig, GRPOConfig, ModelConfig,
                           ORPOConfig, PPOConfig, RewardModelConfig, RolloutConfig, SFTConfig,
-                          SimPOConfig, from_dict, lookup, yaml_key)
+                          SimPOConfig, lookup)
+from gpurl.config_dicts import from_dict, yaml_key
 from gpurl.models.export import export_language_model, export_reward_model
 from gpurl.models.spec import model_spec
 

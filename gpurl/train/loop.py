@@ -24,7 +24,8 @@ import yaml
 
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
-from gpurl.config import Config, ConfigError, to_dict, upgrade
+from gpurl.config import Config, ConfigError
+from gpurl.config_dicts import to_dict, upgrade
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import batch_divisor, trainer_mesh
 from gpurl.models import count_params, loading

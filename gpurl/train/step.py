@@ -177,15 +177,15 @@ class Program:
         return self.fn
 
     def __call__(self, *args: Any) -> Any:
-        if self.fn is self.jitted:
-            return self.fn(*args)
-        try:
-            return self.fn(*args)
-        except (TypeError, ValueError):
-            # Arguments that differ from the planned ones (a compiled program checks them
-            # before it runs, so nothing was consumed): jit compiles for them instead.
-            self.fn = self.jitted
-            return self.fn(*args)
+        if self.fn is not self.jitted:
+            try:
+                return self.fn(*args)
+            except (TypeError, ValueError):
+                # Arguments other than the planned ones (a compiled program checks them
+                # before it runs, so nothing was consumed): jit, which caches per shape,
+                # runs them, and the planned program stays for the planned arguments.
+                pass
+        return self.jitted(*args)
 
 
 def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.GradientTransformation,
