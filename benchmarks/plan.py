@@ -37,21 +37,22 @@ PRESETS = ("gemma3_1b", "llama3_1b", "qwen2_5_1_5b", "qwen3_1_7b", "gemma2b", "g
            "llama3_70b")
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
-# (name, overrides, devices it is meant for): the issue's settings and the depth check.
-SETTINGS = (
-    ("llama3_8b fsdp=8, 8 x 512 x G=8 x 1024", 8,
-     ["model=llama3_8b", "train.batch_size=8", "plan.prompt_len=512", "algo.num_generations=8",
-      "rollout.max_new_tokens=1024"]),
-    ("llama3_8b fsdp=8, 8 x 256 x G=4 x 256", 8,
-     ["model=llama3_8b", "train.batch_size=8", "plan.prompt_len=256", "algo.num_generations=4",
-      "rollout.max_new_tokens=256"]),
-    ("llama3_1b fsdp=8, 8 x 512 x G=8 x 1024", 8,
-     ["model=llama3_1b", "train.batch_size=8", "plan.prompt_len=512", "algo.num_generations=8",
-      "rollout.max_new_tokens=1024"]),
-    ("gemma2b 1 device, 1 x 256 x G=8 x 1024", 1,
-     ["model=gemma2b", "train.batch_size=1", "plan.prompt_len=256", "algo.num_generations=8",
-      "rollout.max_new_tokens=1024"]),
-)
+
+def grpo_setting(model: str, devices: int, prompts: int, prompt_len: int, group: int,
+                 new_tokens: int) -> tuple[str, int, list[str]]:
+    """(name, devices it is meant for, overrides) of one GRPO step to plan."""
+    mesh = f"fsdp={devices}" if devices > 1 else "1 device"
+    name = f"{model} {mesh}, {prompts} x {prompt_len} x G={group} x {new_tokens}"
+    return name, devices, [f"model={model}", f"train.batch_size={prompts}",
+                           f"plan.prompt_len={prompt_len}", f"algo.num_generations={group}",
+                           f"rollout.max_new_tokens={new_tokens}"]
+
+
+# The issue's settings and the depth check (llama3_1b beside llama3_8b).
+SETTINGS = (grpo_setting("llama3_8b", 8, 8, 512, 8, 1024),
+            grpo_setting("llama3_8b", 8, 8, 256, 4, 256),
+            grpo_setting("llama3_1b", 8, 8, 512, 8, 1024),
+            grpo_setting("gemma2b", 1, 1, 256, 8, 1024))
 
 
 def mesh_overrides(devices: int) -> list[str]:
