@@ -124,15 +124,12 @@ def make_prompts(tokenizer: Any, batch: int, length: int) -> list[list[int]]:
 # ------------------------------------------------------------------------------ gpurl
 
 
-def gpurl_runner(path: str) -> Runner:
-    """Loads the GGUF into gpurl; returns run(prompts, temperature, seed, new_tokens)."""
-    import jax
-
-    from gpurl.config import MeshConfig, ModelConfig, RolloutConfig
+def load_gpurl(path: str) -> tuple[Any, Any, Any, Any]:
+    """(spec, rollout mesh, sampling rules, parameters) of the GGUF in gpurl, fp32."""
+    from gpurl.config import MeshConfig, ModelConfig
     from gpurl.distributed.mesh import rollout_mesh, tree_shardings
     from gpurl.models import model_spec
     from gpurl.models.gguf import load_gguf_params, model_config_from_gguf
-    from gpurl.rollout.sampler import Sampler
 
     cfg = model_config_from_gguf(path, ModelConfig(name="gemma3_270m", dtype="float32",
                                                    param_dtype="float32"))
@@ -141,6 +138,17 @@ def gpurl_runner(path: str) -> Runner:
     rules = mesh_cfg.sample_rules
     params = load_gguf_params(path, spec, tree_shardings(spec.abstract_params,
                                                          spec.logical_axes, rules, mesh))
+    return spec, mesh, rules, params
+
+
+def gpurl_runner(path: str) -> Runner:
+    """Loads the GGUF into gpurl; returns run(prompts, temperature, seed, new_tokens)."""
+    import jax
+
+    from gpurl.config import RolloutConfig
+    from gpurl.rollout.sampler import Sampler
+
+    spec, mesh, rules, params = load_gpurl(path)
     sampler = Sampler(spec, RolloutConfig(top_k=0, top_p=1.0), mesh, rules, stop_ids=(), pad_id=0)
 
     def run(prompts: list[list[int]], temperature: float, seed: int, new_tokens: int) -> None:

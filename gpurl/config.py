@@ -568,6 +568,10 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling mass
     top_k: int = 0  # keep the k most likely tokens; 0 = all
     stop: list[str] = field(default_factory=list)  # stop strings besides EOS; "\n" and "\t" mean newline and tab
+    slots: int = 64  # requests decoding at once per rollout data shard; the rest wait in a queue
+    block_size: int = 64  # tokens per block of the paged KV cache
+    kv_cache_tokens: int = 0  # KV cache cap per data shard, in tokens; 0 = the requests' worst case
+    decode_chunk: int = 16  # decode steps per device call between two scheduling rounds
     # `async` is a Python keyword: the YAML key is `async`, the field `async_`.
     async_: bool = False  # overlap the next rollout with training (split placement)
 
@@ -583,6 +587,9 @@ class RolloutConfig:
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"rollout.top_p={self.top_p} is not valid; use a value in (0, 1].")
         _positive("rollout.top_k", self.top_k, allow_zero=True)
+        for name in ("slots", "block_size", "decode_chunk"):
+            _positive(f"rollout.{name}", getattr(self, name))
+        _positive("rollout.kv_cache_tokens", self.kv_cache_tokens, allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -724,7 +731,7 @@ class GenerateConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     prompt: Optional[str] = None  # one prompt
-    prompts_file: Optional[str] = None  # jsonl rows with "prompt" (or "messages"), or plain text lines
+    prompts_file: Optional[str] = None  # jsonl rows with "prompt" (or "messages"; optional "max_new_tokens", "temperature", "seed"), or plain text lines
     n: int = 1  # completions per prompt
     seed: int = 0  # sampling seed (row i of prompt j uses seed + j * n + i)
     checkpoint: Optional[str] = None  # a gpurl run directory: its newest checkpoint and model config

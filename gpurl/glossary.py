@@ -27,6 +27,10 @@ that shard's rows.
     J  chunks
     X  examples of a dataset
     Z  the tokens of many examples, one after another (packing)
+    A  data shards of the rollout mesh (a paged KV pool has one part per shard)
+    Y  blocks of a paged KV pool
+    U  token slots of one KV block
+    I  entries of a block table: the blocks one row may hold
 """
 
 LETTERS = {
@@ -36,4 +40,5 @@ LETTERS = {
     "P": "prompts", "G": "completions per prompt", "N": "completion slots",
     "W": "prompt width", "M": "micro-batches", "C": "chunk tokens",
     "J": "chunks", "X": "examples", "Z": "concatenated tokens",
+    "A": "data shards", "Y": "KV pool blocks", "U": "tokens per KV block", "I": "block-table entries",
 }

@@ -52,3 +52,20 @@ def test_config_errors_are_one_sentence(args, expected):
 def test_missing_prompts_file_is_one_sentence(tmp_path):
     with pytest.raises(ConfigError, match="does not exist; point it to a jsonl or text file."):
         generate(validate([*TINY, f"prompts_file={tmp_path}/missing.jsonl"], APPS["generate"]))
+
+
+def test_prompts_file_rows_carry_their_own_limits_temperature_and_seed(tmp_path):
+    rows = [{"prompt": "1 + 1 =", "max_new_tokens": 2},
+            {"prompt": "1 + 1 =", "max_new_tokens": 9, "temperature": 1.0, "seed": 5},
+            {"prompt": "1 + 1 =", "max_new_tokens": 9, "temperature": 1.0, "seed": 5},
+            {"prompt": "1 + 1 ="}]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = generate(validate([*TINY, f"prompts_file={prompts}"], APPS["generate"]))
+    assert 0 < out[0][1] <= 2 and 0 < out[1][1] <= 9 and 0 < out[3][1] <= 6
+    assert out[1] == out[2]  # the same prompt, temperature and seed: the same sample
+    assert out[3][0].startswith(out[0][0]) and out[0][1] <= out[3][1]  # greedy: a prefix
+    prompts.write_text(json.dumps({"prompt": "x", "max_new_tokens": 0}) + "\n")
+    with pytest.raises(ConfigError, match=r"p.jsonl:1 asks for max_new_tokens < 1") as info:
+        generate(validate([*TINY, f"prompts_file={prompts}"], APPS["generate"]))
+    assert "\n" not in str(info.value)

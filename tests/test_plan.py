@@ -50,11 +50,12 @@ def test_the_plan_allocates_nothing_and_the_run_uses_the_programs_it_compiled(tm
     assert train.parts["resident"] == train.parts["parameters"]  # the frozen reference (beta > 0)
     assert rollout.parts["KV cache"] > 0 and "(device memory" in rollout.table()
     assert train.total == pytest.approx(sum(train.parts.values()))
-    # The run dispatches the compiled programs: jit never traces the step or the sampler.
+    # The run dispatches the compiled programs: jit never traces the step, and the rollout
+    # engine's first prefill and first decode chunk are the planned ones.
     state, _ = stepper.step(setup.init(), 0)
     jax.block_until_ready(state)
     assert setup.step_fn.jitted._cache_size() == 0
-    assert stepper.engine.sampler.num_compiles() == 0
+    assert stepper.engine.sampler.stats["planned_calls"] >= 2
 
 
 @pytest.mark.slow

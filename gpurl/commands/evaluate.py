@@ -1,6 +1,6 @@
 """`gpurl eval`: greedy accuracy and pass@k on the held-out prompts of a data config, for
 a model preset, a checkpoint, or a gpurl run. The same code the training loop evaluates
-with (`gpurl.rollout.engine.RolloutEngine.evaluate`), so the figures are comparable."""
+with (`gpurl.rollout.rounds.RolloutEngine.evaluate`), so the figures are comparable."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from gpurl.data.sources import default_rewards, load_prompts
 from gpurl.distributed import runtime
 from gpurl.models import loading, model_spec
 from gpurl.rewards import from_config as load_rewards
-from gpurl.rollout.engine import RolloutEngine
+from gpurl.rollout.rounds import RolloutEngine
 from gpurl.rollout.prompts import encode_prompts
-from gpurl.rollout.sampler import MIN_PROMPT_BUCKET, bucket
+from gpurl.rollout.engine import MIN_PROMPT_BUCKET, bucket
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.restore import restore_run
 

@@ -34,7 +34,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from gpurl.kernels.paged_attention import paged_decode_attention, paged_write
 from gpurl.kernels.pallas_attention import flash_attention
+from gpurl.kernels.pallas_paged import paged_decode_attention as paged_pallas
 
 IMPLEMENTATIONS = ("xla", "cudnn", "pallas")
 
@@ -216,3 +218,24 @@ def _cudnn(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, q_pos_BxT, q_seg_BxT, kv_pos_BxS, kv
 
 _IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
     "xla": _xla, "cudnn": _cudnn, "pallas": _pallas}
+
+
+def paged_attention(q_BxHxE: jax.Array, k_BxKxE: jax.Array, v_BxKxE: jax.Array,
+                    k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
+                    table_BxI: jax.Array, lengths_B: jax.Array, live: jax.Array, *,
+                    scale: float, softcap: float | None = None, window: int | None = None,
+                    implementation: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decode step over a paged KV pool (`paged_attention.py`: layout and mask): writes
+    each row's new key and value at its position, then attends to the row's tokens up to
+    it. Returns (B x H x E, the key pool, the value pool). `xla` runs the jnp reference;
+    `pallas` (and `cudnn`, which has no paged form) the Pallas kernel of
+    `pallas_paged.py`, whose programs read only their own row's blocks."""
+    k_pool = paged_write(k_pool, layer, k_BxKxE, table_BxI, lengths_B)
+    v_pool = paged_write(v_pool, layer, v_BxKxE, table_BxI, lengths_B)
+    args = (q_BxHxE, k_pool, v_pool, layer, table_BxI, lengths_B, live)
+    if implementation in ("pallas", "cudnn"):
+        out_BxHxE = paged_pallas(*args, scale=scale, softcap=softcap, window=window,
+                                 interpret=jax.default_backend() != "gpu")
+    else:
+        out_BxHxE = paged_decode_attention(*args, scale=scale, softcap=softcap, window=window)
+    return out_BxHxE, k_pool, v_pool

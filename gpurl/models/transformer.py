@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gpurl.config import ModelConfig
-from gpurl.kernels.attention import attention, resolve
+from gpurl.kernels.attention import attention, paged_attention, resolve
 from gpurl.models import lora
 
 _ACTIVATIONS = {
@@ -205,6 +205,11 @@ class Attention(nnx.Module):
             inv_freq_R = jnp.asarray(rope_frequencies(*rope_key))
             q_BxTxHxE = rope(q_BxTxHxE, positions_BxT, inv_freq_R)
             k_BxTxKxE = rope(k_BxTxKxE, positions_BxT, inv_freq_R)
+            if isinstance(cache, PagedKV):  # one decode step over a paged pool
+                out, cache = cache.attend(layer, q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, scale=self.scale,
+                                          softcap=self.softcap, window=window,
+                                          implementation=self.implementation)
+                return out, cache, (k_BxTxKxE, v_BxTxKxE)
             if cache is None:
                 keys, values, kv_pos, kv_seg = k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT
             else:
@@ -328,8 +333,9 @@ class Transformer(nnx.Module):
         if self.cfg.scale_embeddings:
             # Gemma rounds the normalizer to the compute dtype before multiplying.
             x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.dtype)
-        carried = isinstance(cache, KVCache)  # sampling: written in place, layer by layer
-        if carried:
+        # sampling: written in place, layer by layer
+        carried = isinstance(cache, (KVCache, PagedKV))
+        if isinstance(cache, KVCache):
             start = (0, cache.index)
             cache = cache.replace(
                 positions=jax.lax.dynamic_update_slice(cache.positions, positions_BxT, start),
@@ -356,7 +362,7 @@ class Transformer(nnx.Module):
               jnp.arange(self.cfg.num_layers, dtype=jnp.int32),
               None if prompt is None else (prompt.k, prompt.v))
         (x_BxTxD, cache), kv = jax.lax.scan(layer, (x_BxTxD, cache if carried else None), xs)
-        if carried:
+        if isinstance(cache, KVCache):
             cache = cache.replace(index=cache.index + tokens_BxT.shape[1])
         return self.final_norm(x_BxTxD), cache, kv
 
@@ -399,6 +405,27 @@ class KVCache:
         return self.replace(k=jnp.repeat(self.k, g, axis=1), v=jnp.repeat(self.v, g, axis=1),
                             positions=jnp.repeat(self.positions, g, axis=0),
                             segments=jnp.repeat(self.segments, g, axis=0))
+
+
+@flax.struct.dataclass
+class PagedKV:
+    """A paged KV pool for one decode step of B rows (`gpurl.kernels.paged_attention`):
+    each row's new token is written at position `lengths[b]` of its blocks and attends to
+    the row's tokens up to it. Carried through the layer scan like `KVCache`."""
+
+    k: jax.Array  # A x L x Y x U x K x E: per data shard, layers, blocks of U slots
+    v: jax.Array  # A x L x Y x U x K x E
+    table: jax.Array  # B x I: the blocks of each row, in order
+    lengths: jax.Array  # B: tokens of each row already in the pool (the new token's position)
+    live: jax.Array  # int32 scalar: blocks to visit, at least the longest row's
+
+    def attend(self, layer: jax.Array, q_Bx1xHxE: jax.Array, k_Bx1xKxE: jax.Array,
+               v_Bx1xKxE: jax.Array, **kwargs: Any) -> tuple[jax.Array, PagedKV]:
+        """(attention output B x 1 x H x E, the pool with the new keys and values)."""
+        out_BxHxE, k, v = paged_attention(
+            q_Bx1xHxE[:, 0], k_Bx1xKxE[:, 0], v_Bx1xKxE[:, 0], self.k, self.v, layer,
+            self.table, self.lengths, self.live, **kwargs)
+        return out_BxHxE[:, None], self.replace(k=k, v=v)
 
 
 @flax.struct.dataclass

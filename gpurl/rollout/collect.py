@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from gpurl.data.batching import step_indices
-from gpurl.rollout.engine import Round, RolloutEngine, row_seeds, to_host
+from gpurl.rollout.rounds import Round, RolloutEngine, row_seeds, to_host
 from gpurl.rollout.prompts import Prompts
 
 # Rewards closer than this count as equal (a group without signal).
@@ -149,7 +149,12 @@ class Collector:
             "reward/batch_mean": rewards_B.mean(), "groups/kept": float(num_kept),
             "rollout/rounds": float(len(rounds)),
             "time/rollout_s": sum(r.rollout_s for r in rounds),
-            "time/reward_s": sum(r.reward_s for r in rounds)})
+            "time/reward_s": sum(r.reward_s for r in rounds),
+            # decode steps spent on live rows, of all row-steps the engine ran; requests
+            # that gave their KV blocks back to the pool (recomputed when readmitted)
+            "rollout/slot_use": (sum(r.engine["live_row_steps"] for r in rounds)
+                                 / max(sum(r.engine["row_steps"] for r in rounds), 1)),
+            "rollout/preempted": float(sum(r.engine["preempted"] for r in rounds))})
         if self.count_errors:
             metrics["reward/errors"] = sum(self._errors(r.scores, r.row_ids) for r in rounds)
         return Collected(batch, rewards_B, metrics, assembled_at)

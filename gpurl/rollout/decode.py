@@ -10,7 +10,6 @@ import jax
 import numpy as np
 
 from gpurl.models.tokenizer import Tokenizer
-from gpurl.rollout.sampler import Rollout
 
 
 @lru_cache(maxsize=8)
@@ -42,17 +41,3 @@ def local_rows(array: jax.Array) -> list[tuple[int, np.ndarray]]:
         if start not in seen:  # tp replicas hold the same rows
             seen[start] = np.asarray(shard.data)
     return sorted(seen.items())
-
-
-def local_completions(rollout: Rollout, tokenizer: Tokenizer, stop: Sequence[str],
-                      num_rows: int) -> dict[int, tuple[str, int, float]]:
-    """{global row: (text, tokens, sum of logprobs)} for the real rows this process holds."""
-    lengths = dict(local_rows(rollout.lengths))
-    logprobs = dict(local_rows(rollout.logprobs))
-    out = {}
-    for start, tokens_BxN in local_rows(rollout.tokens):
-        for r, (row, length) in enumerate(zip(tokens_BxN, lengths[start])):
-            if start + r < num_rows:
-                text = truncate(tokenizer.decode(row[:length]), stop)
-                out[start + r] = (text, int(length), float(logprobs[start][r, :length].sum()))
-    return out

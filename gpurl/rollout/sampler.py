@@ -1,4 +1,5 @@
-"""Batched generation with a KV cache: one jitted call does the prefill and the decode loop.
+"""The static sampler, kept as the tests' reference for the rollout engine (`engine.py`):
+batched generation with a KV cache, one jitted call doing the prefill and the decode loop.
 
 Prompts are right-padded to a length bucket and the batch to a batch bucket, so a long
 run compiles a bounded number of programs. Row b's tokens keep their true positions
@@ -19,7 +20,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,27 +27,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.config import ConfigError, RolloutConfig
-from gpurl.distributed.mesh import Rules, replicated, tree_shardings
+from gpurl.distributed.mesh import Rules, replicated
 from gpurl.models.spec import ModelSpec, Params
 from gpurl.models.transformer import KVCache, init_cache
+from gpurl.rollout.engine import MIN_PROMPT_BUCKET, Generator, Rollout, bucket
 from gpurl.rollout.sampling import sample
-
-MIN_PROMPT_BUCKET = 16
-
-
-@flax.struct.dataclass
-class Rollout:
-    """Completions of a batch; every array is sharded over the rollout data axis."""
-
-    tokens: jax.Array  # B x N int32: sampled tokens, pad after the stop
-    lengths: jax.Array  # B int32: tokens generated, the stop token included
-    logprobs: jax.Array  # B x N float32: log-prob of each sampled token, 0 after the stop
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Next power of two >= max(n, minimum): O(log n) distinct shapes over a run."""
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
-
 
 @dataclass(frozen=True)
 class _Static:
@@ -72,23 +56,15 @@ class Prepared(tuple):
         return out
 
 
-class Sampler:
-    """Generates completions for prompts on the rollout mesh (data, tp)."""
+class Sampler(Generator):
+    """Generates completions for prompts on the rollout mesh (data, tp): one static batch."""
 
     def __init__(self, spec: ModelSpec, cfg: RolloutConfig, mesh: Mesh, rules: Rules, *,
                  stop_ids: Sequence[int], pad_id: int):
-        self.spec, self.cfg, self.mesh = spec, cfg, mesh
-        self.param_shardings = tree_shardings(spec.abstract_params, spec.logical_axes, rules, mesh)
-        self.rows = NamedSharding(mesh, P("data"))
-        self.stop_ids = tuple(sorted(set(stop_ids)))
-        self.pad_id = pad_id
+        super().__init__(spec, cfg, mesh, rules, stop_ids=stop_ids, pad_id=pad_id)
         self._fns: dict[_Static, object] = {}
         # programs compiled ahead of time (the memory plan's), by static settings and shape
         self._compiled: dict[tuple[_Static, tuple[int, ...]], object] = {}
-
-    def place(self, params: Params) -> Params:
-        """Parameters in the sampling layout (a no-op when they already are)."""
-        return jax.device_put(params, self.param_shardings)
 
     def num_compiles(self) -> int:
         return sum(fn._cache_size() for fn in self._fns.values())

@@ -24,7 +24,7 @@ from gpurl.config import Config, ConfigError, PlanConfig
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import batch_divisor
 from gpurl.models.transformer import remat_policy
-from gpurl.rollout.sampler import Sampler
+from gpurl.rollout.engine import Engine
 from gpurl.train.optim import trainable
 from gpurl.train.step import Placement, Program
 from gpurl.train.stepper import Setup, Stepper
@@ -132,20 +132,22 @@ def plan_train_step(step: Program, place: Placement, batch: dict[str, Any], free
                        analysis={"arguments": args, "temp": temp, "outputs": outputs})
 
 
-def plan_rollout(sampler: Sampler, rows: int, width: int, group: int, resident: float,
+def plan_rollout(engine: Engine, rows: int, width: int, group: int, resident: float,
                  limit: float) -> ProgramPlan:
-    """Compiles the sampling program for `rows` prompts of `width` tokens (runs of `group`
-    identical ones), which the run then uses, and splits its memory: its arguments (the
-    parameters in the sampling layout, the prompts), the KV cache at full length (prompt +
-    rollout.max_new_tokens) and the rest of its scratch."""
+    """Compiles the rollout engine's programs for a round of `rows` requests per process
+    (prompts of `width` tokens, runs of `group` identical ones) at their largest shapes,
+    which the run then uses, and splits their memory: the parameters in the sampling
+    layout, the paged KV cache (sized for the round's requests at full length) and the
+    larger program's other scratch."""
     t0 = time.perf_counter()
-    compiled = sampler.compile(rows, width, group)
+    programs, kv = engine.compile_round(rows, width, group)
     compile_s = time.perf_counter() - t0
-    args, temp, outputs = _memory(compiled)
-    params = shard_bytes(sampler.spec.abstract_params, sampler.param_shardings)
-    kv = min(shard_bytes(*sampler.cache_layout(rows, width)), temp)
-    parts = {"parameters": params, "KV cache": kv, "activations / scratch": temp - kv + outputs,
-             "inputs": max(args - params, 0.0), "resident": resident}
+    memory = [_memory(c) for c in programs]
+    args, temp, outputs = max(memory, key=lambda m: m[1])
+    params = shard_bytes(engine.spec.abstract_params, engine.param_shardings)
+    parts = {"parameters": params, "KV cache": kv,
+             "activations / scratch": max(temp + outputs - kv, 0.0),
+             "inputs": max(args - params - kv, 0.0), "resident": resident}
     notes = ["resident: the train state beside the sampling program (colocated)"] if resident else []
     return ProgramPlan("rollout", parts, compile_s, limit, notes,
                        analysis={"arguments": args, "temp": temp, "outputs": outputs})

@@ -33,9 +33,9 @@ from gpurl.distributed.sync import WeightSync
 from gpurl.models import lora
 from gpurl.models.spec import Params
 from gpurl.rewards import from_config as load_rewards
-from gpurl.rollout.engine import RolloutEngine
+from gpurl.rollout.rounds import RolloutEngine
 from gpurl.rollout.prompts import encode_prompts
-from gpurl.rollout.sampler import MIN_PROMPT_BUCKET, bucket
+from gpurl.rollout.engine import MIN_PROMPT_BUCKET, bucket
 from gpurl.train.plan import shard_bytes
 from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.stepper import Setup, Stepper

@@ -34,9 +34,9 @@ from gpurl.models.spec import Params
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.collect import Collector, Shaping
 from gpurl.rollout.decode import local_rows
-from gpurl.rollout.engine import Round, RolloutEngine
+from gpurl.rollout.rounds import Round, RolloutEngine
 from gpurl.rollout.prompts import Prompts, encode_prompts
-from gpurl.rollout.sampler import MIN_PROMPT_BUCKET, bucket
+from gpurl.rollout.engine import MIN_PROMPT_BUCKET, bucket
 from gpurl.train.metrics import DeviceTimer, Sum
 from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.stepper import Setup, Stepper
@@ -179,7 +179,8 @@ class RLStepper(Stepper):
             state = (shard_bytes(place.abstract_state.params, place.state.params)
                      + shard_bytes(place.abstract_state.opt_state, place.state.opt_state))
             resident = state - self._sampling_copy()[1] + self._frozen_bytes()
-        return plan_rollout(sampler, rows, self.engine.prompt_width, group, resident, limit)
+        return plan_rollout(sampler, rows // runtime.process_count(), self.engine.prompt_width,
+                            group, resident, limit)
 
     def plan_prompt_len(self, tokens: int) -> None:
         """Rollouts of prompts padded to `tokens` (rounded up to a bucket) instead of the

@@ -1,0 +1,223 @@
+"""The rollout engine (`gpurl.rollout.engine`: continuous batching over decode slots, a
+paged KV cache) against the static sampler, which tests/test_sampler.py checks against
+transformers; the training forward pass's log-probs; and its own promises: a request's
+tokens and log-probs do not depend on what shares its batch or where it lands, a prompt's
+completions share its cache blocks, the cache follows the tokens in flight, a full cache
+preempts and resumes, paused requests resume with appended tokens, and compiles stay
+bounded.
+
+Engines here use blocks of 4 tokens and chunks of 3 decode steps, so every request spans
+several blocks and several chunks, and 2 slots per shard, so requests queue."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hf_models
+from gpurl.config import ConfigError
+from gpurl.rollout.engine import Completion, Engine, Request
+from gpurl.rollout.sampler import Rollout
+from test_sampler import (LOGPROB_TOL, MESH, N, ONE_DEVICE, PAD, PROMPTS, RULES, SAMPLING,
+                          SEEDS, Tiny, _build_tiny, _max_diff, _rows, _training_logprobs)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """family -> its Tiny, built once per module (test_sampler.py's models)."""
+    return functools.lru_cache(maxsize=None)(
+        lambda family: _build_tiny(family, tmp_path_factory.mktemp(family)))
+
+
+@pytest.fixture(scope="module")
+def gemma2(tiny_models: Any) -> Tiny:
+    return tiny_models("gemma2")
+
+
+SMALL = dict(block_size=4, decode_chunk=3, slots=2)
+_ENGINES: dict[tuple, Engine] = {}
+
+
+def engine(tiny: Tiny, setting: str = "greedy", mesh: Any = MESH,
+           stop_ids: tuple[int, ...] | None = None, **overrides: Any) -> Engine:
+    """One shared Engine per (model, setting, mesh, stops, overrides)."""
+    stops = tiny.stop_ids if stop_ids is None else stop_ids
+    key = (tiny.family, setting, id(mesh), stops, tuple(sorted(overrides.items())))
+    if key not in _ENGINES:
+        cfg = dataclasses.replace(SAMPLING[setting], **{**SMALL, **overrides})
+        _ENGINES[key] = Engine(tiny.spec, cfg, mesh, RULES, stop_ids=stops, pad_id=PAD)
+    return _ENGINES[key]
+
+
+def _generate(e: Engine, tiny: Tiny, prompts: list[list[int]], seeds: list[int],
+              **kw: Any) -> list[Completion]:
+    return e.generate(tiny.params, [e.request(p, s) for p, s in zip(prompts, seeds)], **kw)
+
+
+def _same(a: Completion, b: Completion) -> bool:
+    """Equal tokens, log-probs equal to float32 rounding: XLA's CPU matmul blocks rows by
+    the row count (a 640-wide projection gives bit-equal rows for 2..32 rows, not from 64
+    on), so a prefill of other prompts alongside can move the last bit of a log-prob."""
+    return (np.array_equal(a.tokens, b.tokens)
+            and bool(np.abs(a.logprobs - b.logprobs).max(initial=0.0) <= 2e-6))
+
+
+@pytest.mark.parametrize("setting", ["greedy", pytest.param("nucleus", marks=pytest.mark.slow),
+                                     pytest.param("top_k", marks=pytest.mark.slow)])
+def test_engine_equals_the_static_sampler(gemma2: Tiny, setting: str) -> None:
+    """Gemma 2 (soft-capped attention, a sliding window of 4 that every row outruns):
+    the same tokens as the static sampler for the same seeds, greedy and sampled, with
+    top-k and nucleus truncation; log-probs within float32 noise."""
+    ref = _rows(gemma2.sampler(setting).generate(gemma2.params, PROMPTS, SEEDS), 4)
+    done = _generate(engine(gemma2, setting), gemma2, PROMPTS, SEEDS)
+    for i, c in enumerate(done):
+        n = ref[1][i]
+        assert c.tokens.tolist() == ref[0][i, :n].tolist(), i
+        np.testing.assert_allclose(c.logprobs, ref[2][i, :n], atol=2e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_engine_greedy_equals_the_static_sampler_per_family(tiny_models: Any, family: str) -> None:
+    tiny = tiny_models(family)
+    ref = _rows(tiny.sampler("greedy").generate(tiny.params, PROMPTS, SEEDS), 4)
+    done = _generate(engine(tiny), tiny, PROMPTS, SEEDS)
+    assert [c.tokens.tolist() for c in done] == [ref[0][i, :ref[1][i]].tolist() for i in range(4)]
+
+
+@pytest.mark.parametrize("setting", [pytest.param("greedy", marks=pytest.mark.slow), "nucleus"])
+def test_engine_logprobs_match_training_forward(gemma2: Tiny, setting: str) -> None:
+    done = _generate(engine(gemma2, setting), gemma2, PROMPTS, SEEDS)
+    n = max(len(c.tokens) for c in done)
+    tokens = np.full((4, n), PAD, np.int32)
+    logprobs = np.zeros((4, n), np.float32)
+    for i, c in enumerate(done):
+        tokens[i, :len(c.tokens)], logprobs[i, :len(c.tokens)] = c.tokens, c.logprobs
+    rollout = Rollout(tokens, np.asarray([len(c.tokens) for c in done]), logprobs)
+    ours, ref = _training_logprobs(gemma2.spec, gemma2.params, PROMPTS, rollout,
+                                   SAMPLING[setting].temperature)
+    assert _max_diff(ours, ref) < LOGPROB_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["greedy", "nucleus"])
+def test_a_request_does_not_depend_on_its_batch_or_slot(gemma2: Tiny, setting: str) -> None:
+    """Alone, among other requests (in another order, so it lands in another slot and
+    shard), in a batch of more slots: identical tokens, log-probs to float32 rounding."""
+    e = engine(gemma2, setting)
+    rng = np.random.default_rng(1)
+    others = [rng.integers(3, hf_models.VOCAB, n).tolist() for n in (3, 20, 11, 2, 7, 14)]
+    alone = [_generate(e, gemma2, [p], [s])[0] for p, s in zip(PROMPTS, SEEDS)]
+    mixed_prompts = others[:3] + PROMPTS[::-1] + others[3:]
+    mixed_seeds = [90, 91, 92] + SEEDS[::-1] + [93, 94, 95]
+    mixed = _generate(e, gemma2, mixed_prompts, mixed_seeds)
+    wide = _generate(engine(gemma2, setting, slots=8, decode_chunk=5), gemma2,
+                     mixed_prompts, mixed_seeds)
+    for i in range(4):
+        assert _same(alone[i], mixed[6 - i]), i
+        assert _same(alone[i], wide[6 - i]), i
+
+
+@pytest.mark.slow
+def test_completions_of_one_prompt_share_its_blocks(gemma2: Tiny) -> None:
+    """G completions of a 9-token prompt (two full blocks of 4) list the same prompt
+    blocks and sample as if each had its own copy."""
+    e = engine(gemma2, "nucleus")
+    prompt, seeds = PROMPTS[1], list(range(40, 46))
+    shared = _generate(e, gemma2, [prompt] * 6, seeds)
+    assert e.stats["prefills"] >= 1
+    own = [_generate(e, gemma2, [prompt], [s])[0] for s in seeds]
+    assert all(_same(a, b) for a, b in zip(shared, own))
+    assert len({tuple(c.tokens) for c in shared}) > 1  # different samples
+
+
+@pytest.mark.slow
+def test_cache_follows_tokens_in_flight_and_preempts_when_full(gemma2: Tiny) -> None:
+    """A cap below the requests' worst case: the newest request gives its blocks back and
+    resumes later by recomputing its tokens; every request still ends as without the cap."""
+    prompts = PROMPTS * 2
+    seeds = list(range(8))
+    free = _generate(engine(gemma2, "greedy", slots=4), gemma2, prompts, seeds)
+    capped = engine(gemma2, "greedy", slots=4, kv_cache_tokens=56)
+    done = _generate(capped, gemma2, prompts, seeds)
+    assert capped.stats["preempted"] > 0
+    assert [c.tokens.tolist() for c in done] == [c.tokens.tolist() for c in free]
+    for a, b in zip(done, free):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    # Sized for the requests: 4 of 24 tokens in flight per shard = 24 blocks, not slots x
+    # the longest row.
+    pool = free and engine(gemma2, "greedy", slots=4)._pool[0]
+    assert pool.shape[2] <= 32
+
+
+def test_per_request_limits_and_stops(gemma2: Tiny) -> None:
+    e = engine(gemma2, "greedy")
+    base = _generate(e, gemma2, PROMPTS, SEEDS)
+    stop = int(base[1].tokens[2])
+    reqs = [Request(tuple(PROMPTS[0]), 3, 0.0), Request(tuple(PROMPTS[1]), N, 0.0, stop_ids=(stop,)),
+            Request(tuple(PROMPTS[2]), 1, 0.0), Request(tuple(PROMPTS[3]), N, 0.0)]
+    done = e.generate(gemma2.params, reqs)
+    assert done[0].tokens.tolist() == base[0].tokens[:3].tolist() and not done[0].stopped
+    assert done[1].tokens.tolist() == base[1].tokens[:3].tolist() and done[1].stopped
+    assert done[2].tokens.tolist() == base[2].tokens[:1].tolist()
+    assert _same(done[3], base[3])
+    with pytest.raises(ConfigError, match="a prompt is empty"):
+        e.generate(gemma2.params, [Request((), 2)])
+
+
+def test_a_paused_request_resumes_with_appended_tokens(gemma2: Tiny) -> None:
+    """A multi-turn row: after 4 tokens it gives up its slot, an environment appends 12
+    tokens (the sequence outgrows the call's block tables and KV pool, which grow), and it
+    resumes; its second turn equals a request of the whole sequence whose keys continue
+    after the 4 drawn tokens (offset)."""
+    e = engine(gemma2, "nucleus")
+    reply = list(range(7, 19))
+    turns: dict[int, list[Completion]] = {}
+
+    def resume(i: int, c: Completion) -> Request | None:
+        turns.setdefault(i, []).append(c)
+        if len(turns[i]) == 2:
+            return None
+        r = first[i]
+        return dataclasses.replace(r, prompt=r.prompt + tuple(c.tokens) + tuple(reply),
+                                   max_new_tokens=N, offset=len(c.tokens))
+
+    first = [dataclasses.replace(e.request(p, s), max_new_tokens=4) for p, s in zip(PROMPTS, SEEDS)]
+    last = e.generate(gemma2.params, first, resume=resume)
+    for i, r in enumerate(first):
+        whole = dataclasses.replace(r, prompt=r.prompt + tuple(turns[i][0].tokens) + tuple(reply),
+                                    max_new_tokens=N, offset=len(turns[i][0].tokens))
+        again = e.generate(gemma2.params, [whole])[0]
+        assert _same(last[i], again) and _same(turns[i][1], again)
+
+
+@pytest.mark.slow
+def test_sharded_equals_one_device(gemma2: Tiny) -> None:
+    a = _generate(engine(gemma2, "nucleus"), gemma2, PROMPTS, SEEDS)
+    single = engine(gemma2, "nucleus", mesh=ONE_DEVICE)
+    b = single.generate(single.place(gemma2.params), [single.request(p, s)
+                                                      for p, s in zip(PROMPTS, SEEDS)])
+    for x, y in zip(a, b):
+        assert x.tokens.tolist() == y.tokens.tolist()
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiles_stay_bounded(gemma2: Tiny) -> None:
+    """6 calls of 1..12 requests with prompts of 1..40 tokens and limits of 1..8: the
+    shapes are powers of two, so the programs compiled stay few."""
+    e = engine(gemma2, "nucleus", slots=4)
+    rng = np.random.default_rng(3)
+    for _ in range(6):
+        count = int(rng.integers(1, 13))
+        reqs = [Request(tuple(rng.integers(3, hf_models.VOCAB, int(rng.integers(1, 41))).tolist()),
+                        int(rng.integers(1, N + 1)), 1.0, seed=int(rng.integers(1000)))
+                for _ in range(count)]
+        done = e.generate(gemma2.params, reqs)
+        assert all(1 <= len(c.tokens) <= r.max_new_tokens for c, r in zip(done, reqs))
+    print(f"\n6 calls compiled {e.num_compiles()} programs")
+    assert e.num_compiles() <= 16
