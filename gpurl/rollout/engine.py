@@ -9,8 +9,9 @@ The device runs two jitted programs on fixed shapes: `prefill` (the prompts of n
 admitted requests, batched, written into the KV pool; the first token sampled) and
 `chunk` (up to `rollout.decode_chunk` decode steps of every live row). A chunk returns
 early once enough rows finished for the host to refill their slots, or once half of
-the rows are done, so the next chunk can run on half as many rows: no step is spent
-on a row that is done beyond the chunk it finished in. Shapes are bucketed to powers of
+the rows are done, so the next chunk can run on half as many rows (not below
+`MIN_DECODE_ROWS` unless the call starts smaller): no step is spent on a row that is
+done beyond the chunk it finished in. Shapes are bucketed to powers of
 two (rows, prompt width, block-table width, pool size), so a run compiles few programs
 (`num_compiles`).
 
