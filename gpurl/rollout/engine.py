@@ -54,6 +54,7 @@ from gpurl.config import ConfigError, RolloutConfig
 from gpurl.distributed.mesh import Rules, replicated, tree_shardings
 from gpurl.models.spec import ModelSpec, Params
 from gpurl.models.transformer import PagedKV, compute_dtype
+from gpurl.rollout.decode import local_rows
 from gpurl.rollout.sampling import sample_rows
 
 MIN_PROMPT_BUCKET = 16
@@ -273,8 +274,7 @@ class Engine(Generator):
         per = -(-rows // self.local_shards)
         live = min(per, self.cfg.slots)
         blocks = -(-(width + n) // self.block)
-        pool_blocks = bucket(min(live * blocks, -(-self.cfg.kv_cache_tokens // self.block)
-                                 if self.cfg.kv_cache_tokens else live * blocks) + 1)
+        pool_blocks = self._pool_blocks(live * blocks)
         layers, kv, e = self._pool_shape
         pool = jax.ShapeDtypeStruct((self.shards, layers, pool_blocks, self.block, kv, e),
                                     compute_dtype(self.spec.cfg), sharding=self.pool_sharding)
@@ -297,7 +297,7 @@ class Engine(Generator):
                         *settings(a), stops)
         c = bucket(live)
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
-        chunk_args = (params, pool, pool, rows_of(c, bucket(blocks)), *(rows_of(c) for _ in range(4)),
+        chunk_args = (params, pool, pool, rows_of(c, bucket(blocks)), *(rows_of(c) for _ in range(3)),
                       rows_of(c, dt=jnp.bool_), *settings(c), stops, scalar, scalar, scalar)
         out = []
         for fn, static, args in ((self._prefill, (sampled, truncate), prefill_args),
@@ -325,6 +325,13 @@ class Engine(Generator):
         longest = max((self._blocks(x, min_width) for x in lives), default=1)
         return self._agree_max(bucket(longest))
 
+    def _pool_blocks(self, need: int) -> int:
+        """Pool blocks for `need` blocks of requests: capped by rollout.kv_cache_tokens,
+        plus block 0 (idle rows' writes), rounded up to a power of two."""
+        if self.cfg.kv_cache_tokens:
+            need = min(need, -(-self.cfg.kv_cache_tokens // self.block))
+        return bucket(need + 1)
+
     def _ensure_pool(self, lives: Sequence[_Live], min_width: int) -> int:
         """Blocks per shard for these requests at their limits (the `slots` largest of a
         shard in flight at once), capped by rollout.kv_cache_tokens; (re)allocates the pool
@@ -335,9 +342,7 @@ class Engine(Generator):
             sizes = sorted((self._blocks(x, min_width) for x in lives[start:start + per]),
                            reverse=True)
             need = max(need, sum(sizes[:self.cfg.slots]))
-        if self.cfg.kv_cache_tokens:
-            need = min(need, -(-self.cfg.kv_cache_tokens // self.block))
-        blocks = self._agree_max(bucket(need + 1))
+        blocks = self._agree_max(self._pool_blocks(need))
         if self._pool is None:
             layers, kv, e = self._pool_shape
             shape = (self.shards, layers, blocks, self.block, kv, e)
@@ -516,18 +521,16 @@ class Engine(Generator):
         refill = active - min(queued, max(1, self.cfg.slots // 4)) if queued else 0
         halve = n // 2 if n > self._floor else 0
         table = np.zeros((len(shards), n, width), np.int32)
-        state = np.zeros((4, len(shards), n), np.int32)  # last token, length, drawn, left
-        settings = _Settings(len(shards) * n)
+        state = np.zeros((3, len(shards), n), np.int32)  # last token, length, tokens left
+        settings = _Settings(len(shards) * n)  # its offsets: each row's tokens drawn so far
+        active_B = np.zeros((len(shards), n), bool)
         longest = 0
         for d, shard in enumerate(shards):
             for i, live in enumerate(shard.rows):
                 table[d, i, :len(live.blocks)] = live.blocks
-                state[:, d, i] = (live.tokens[-1], live.length,
-                                  live.request.offset + len(live.tokens), live.left)
+                state[:, d, i] = (live.tokens[-1], live.length, live.left)
                 settings.set(d * n + i, live, self._stop_set(live.request))
                 longest = max(longest, live.length)
-        active_B = np.zeros((len(shards), n), bool)
-        for d, shard in enumerate(shards):
             active_B[d, :len(shard.rows)] = True
         longest = self._agree_max(longest)
         static = (settings.sampled, settings.truncate, self.cfg.decode_chunk)
@@ -560,10 +563,9 @@ class Engine(Generator):
                     finish(shard, live)
 
     def _chunk_fn(self, static, params, k_pool, v_pool, table_BxI, last_B, lengths_B,
-                  drawn_B, left_B, active_B, seeds_B, offsets_B, temperature_B, top_k_B,
+                  left_B, active_B, seeds_B, drawn_B, temperature_B, top_k_B,
                   top_p_B, stop_set_B, stop_table, longest, refill, halve):
         sampled, truncate, steps = static
-        del offsets_B  # `drawn_B` already counts a resumed request's earlier tokens
         b = last_B.shape[0]
         keys_B = jax.vmap(jax.random.key)(seeds_B)
         ones_Bx1 = jnp.ones((b, 1), jnp.int32)
@@ -683,10 +685,4 @@ def _shards_second(x: jax.Array, a: int) -> jax.Array:
 
 def _local(x: jax.Array) -> np.ndarray:
     """This process's rows of a row-sharded array, in order (tp replicas once)."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    seen = {}
-    for shard in x.addressable_shards:
-        start = shard.index[0].start or 0
-        seen.setdefault(start, np.asarray(shard.data))
-    return np.concatenate([seen[k] for k in sorted(seen)])
+    return np.concatenate([rows for _, rows in local_rows(x)])
