@@ -9,21 +9,22 @@ is the documentation of the key (`gpurl train --cfg job` prints the values).
 The `algo` group has one schema per family of algorithms (SFT, policy gradient: the GRPO
 family and PPO, preference optimization); each option in `configs/algo/` names the schema
 it fills, and `gpurl.algorithms.registry` maps an algorithm's name to its schema. This
-module imports nothing from gpurl: it is the leaf every other module may import.
+module imports only `gpurl.config_checks` (the value checks and `ConfigError`): every
+other module may import it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import re
-import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import ClassVar, Optional
 
+from gpurl.config_checks import DTYPES, ConfigError, lookup
+from gpurl.config_checks import choice as _choice, enum_field as _enum, positive as _positive
+from gpurl.config_checks import tuplify as _tuplify
 
-class ConfigError(ValueError):
-    """A config value a user set is invalid; the message names the key and the fix."""
+__all__ = ["DTYPES", "ConfigError", "lookup"]  # re-exported: every module imports them from here
 
 
 # ---------------------------------------------------------------- choice enums
@@ -87,55 +88,6 @@ class LoggerName(str, enum.Enum):
 class Placement(str, enum.Enum):
     COLOCATED = "colocated"
     SPLIT = "split"
-
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-_EnumT = typing.TypeVar("_EnumT", bound=enum.Enum)
-
-
-def _choice(key: str, value: str, choices: tuple[str, ...] | type[enum.Enum]) -> None:
-    names = tuple(c.value for c in choices) if isinstance(choices, type) else choices
-    if value not in names:
-        raise ConfigError(f"{key}={value!r} is not valid; use one of: {', '.join(names)}.")
-
-
-_ValueT = typing.TypeVar("_ValueT")
-
-
-def lookup(table: typing.Mapping[str, _ValueT], value: str, key: str) -> _ValueT:
-    """`table[value]` for the config key `key`; a missing value is one sentence naming the
-    valid ones (registries of algorithms and model families)."""
-    try:
-        return table[value]
-    except KeyError:
-        raise ConfigError(f"{key}={value!r} is not valid; use one of: "
-                          f"{', '.join(table)}.") from None
-
-
-def _enum(obj: Any, name: str, key: str, choices: type[_EnumT]) -> None:
-    """Checks field `name` of a frozen dataclass against `choices` and stores the member."""
-    value = getattr(obj, name)
-    _choice(key, value, choices)
-    object.__setattr__(obj, name, choices(value))
-
-
-def _positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{key}={value} is not valid; set it to a number {bound}.")
-
-
-def _tuplify(obj: Any) -> None:
-    """Frozen dataclasses hold tuples, not the lists omegaconf produces."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if isinstance(value, list):
-            object.__setattr__(obj, f.name, tuple(value))
-        elif isinstance(value, dict):
-            object.__setattr__(
-                obj, f.name,
-                {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
 
 
 # ---------------------------------------------------------------- algo: one schema per family
@@ -372,11 +324,59 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLPs (Qwen3-MoE): a router picks `experts_per_token` of
+    `num_experts` SwiGLU experts for every token; 0 experts = a dense model."""
+
+    num_experts: int = 0  # experts of a sparse layer (HF num_experts); 0 = dense MLPs only
+    experts_per_token: int = 2  # experts each token is routed to, top-k (HF num_experts_per_tok)
+    expert_mlp_dim: int = 64  # hidden width of one expert (HF moe_intermediate_size)
+    norm_topk_prob: bool = True  # renormalize the top-k router probabilities to sum to 1
+    sparse_step: int = 1  # layer i is sparse iff (i + 1) % sparse_step == 0 (HF decoder_sparse_step)
+    dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP of model.mlp_dim (HF mlp_only_layers)
+    # load-balancing loss (Switch Transformer eq. 4-6, as transformers' load_balancing_loss_func);
+    # null = 0.001 (Qwen3's router_aux_loss_coef) for sft and rm, 0 for RL and preference
+    # algorithms (verl's Megatron bridge turns load balancing off for RL)
+    aux_loss_coef: Optional[float] = None
+    z_loss_coef: float = 0.0  # router z-loss, mean logsumexp(router logits)^2 (ST-MoE, Zoph et al. 2022: 0.001)
+    # the train step routes completion tokens to the experts the sampler chose for them
+    # (so it scores the policy that sampled); prompt tokens route as usual
+    replay_routing: bool = False
+    # expert parallelism: a device runs at most this many times its even share of its expert
+    # group's token copies and drops the rest (GShard / Switch Transformer capacity; dropped
+    # copies add nothing, logged as moe/dropped); 0 = never drop (buffers for every copy)
+    capacity_factor: float = 0.0
+    # the experts' grouped matmul: auto (ragged on GPU, tiled on CPU), ragged (jax.lax.ragged_dot),
+    # tiled (jnp: tokens sorted by expert in fixed-size tiles, one expert per tile)
+    grouped_matmul: str = "auto"
+
+    def __post_init__(self) -> None:
+        _tuplify(self)
+        _positive("model.moe.num_experts", self.num_experts, allow_zero=True)
+        for key in ("experts_per_token", "expert_mlp_dim", "sparse_step"):
+            _positive(f"model.moe.{key}", getattr(self, key))
+        _positive("model.moe.z_loss_coef", self.z_loss_coef, allow_zero=True)
+        _positive("model.moe.capacity_factor", self.capacity_factor, allow_zero=True)
+        if self.aux_loss_coef is not None:
+            _positive("model.moe.aux_loss_coef", self.aux_loss_coef, allow_zero=True)
+        _choice("model.moe.grouped_matmul", self.grouped_matmul, ("auto", "ragged", "tiled"))
+        if self.num_experts and self.experts_per_token > self.num_experts:
+            raise ConfigError(f"model.moe.experts_per_token={self.experts_per_token} exceeds "
+                              f"model.moe.num_experts={self.num_experts}; route each token to "
+                              f"at most num_experts experts.")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether `layer` has experts (else a dense MLP)."""
+        return (self.num_experts > 0 and layer not in self.dense_layers
+                and (layer + 1) % self.sparse_step == 0)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One decoder; families differ only by these fields (presets in configs/model/)."""
 
     name: str = "tiny"  # preset name (see configs/model/)
-    family: str = "gemma"  # architecture family (a file of gpurl/models/families/): gemma, gemma2, gemma3, llama, qwen2, qwen3
+    family: str = "gemma"  # architecture family (a file of gpurl/models/families/): gemma, gemma2, gemma3, llama, qwen2, qwen3, qwen3_moe
     checkpoint: Optional[str] = None  # HF safetensors dir or .gguf file; null = the preset's packaged weights (gemma3_270m: the GGUF package), else random where model.init allows
     vocab_size: int = 512  # rows of the embedding (>= the tokenizer's vocabulary)
     d_model: int = 64  # residual width D
@@ -420,6 +420,7 @@ class ModelConfig:
     remat: str = "auto"
     tokenizer: str = "auto"  # auto (the checkpoint's, else bytes), bytes (built-in byte-level), or a tokenizer.json path
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.rank > 0 turns them on)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts MLPs (model.moe.num_experts > 0 turns them on)
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -436,6 +437,15 @@ class ModelConfig:
         _choice("model.attention", self.attention, ("auto", "xla", "cudnn", "pallas"))
         _choice("model.init", self.init, ("auto", "checkpoint", "random"))
         _choice("model.remat", self.remat, ("auto", "none", "full", "dots", "qkv"))
+        bad = [i for i in self.moe.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"model.moe.dense_layers names layers {bad} outside 0..{self.num_layers - 1}; "
+                              f"list layers of the model.")
+        if self.moe.num_experts and self.lora.rank and not all(
+                self.moe.is_sparse(i) for i in range(self.num_layers)):
+            raise ConfigError("LoRA on a mixture-of-experts model with dense layers "
+                              "(model.moe.dense_layers or sparse_step > 1) is not supported; use "
+                              "full fine-tuning or a model whose layers are all sparse.")
         if self.init == "random" and self.checkpoint is not None:
             raise ConfigError(f"model.init=random draws random weights but model.checkpoint="
                               f"{self.checkpoint} is set; drop one of the two.")
@@ -597,28 +607,34 @@ class MeshConfig:
     data: int = -1  # trainer data-parallel axis; -1 = all devices left over
     fsdp: int = 1  # trainer fully-sharded axis (parameters and optimizer state sharded)
     tp: int = 1  # trainer tensor-parallel axis
+    expert: int = 1  # trainer expert-parallel axis: a mixture-of-experts model's experts are split over it (batch rows too)
     placement: str = "colocated"  # colocated (rollout and trainer share devices) or split
     rollout_devices: int = 0  # split placement: devices given to rollout
     rollout_tp: int = 1  # rollout mesh tensor-parallel axis; its data axis takes the rest
-    # logical axis -> mesh axes, for training; an axis missing here is replicated
+    # logical axis -> mesh axes, for training; an axis missing here is replicated. The
+    # expert axis splits experts (expert parallelism) and, like fsdp, batch rows and the
+    # other weights (which mixture-of-experts layers have few of)
     train_rules: dict[str, list[str]] = field(default_factory=lambda: {
-        "batch": ["data", "fsdp"], "embed": ["fsdp"], "vocab": ["tp"], "mlp": ["tp"],
-        "heads": ["tp"], "kv_heads": ["tp"]})
+        "batch": ["data", "fsdp", "expert"], "embed": ["fsdp", "expert"], "vocab": ["tp"],
+        "mlp": ["tp"], "heads": ["tp"], "kv_heads": ["tp"], "expert": ["expert"],
+        "expert_mlp": ["tp"]})
     # logical axis -> rollout mesh axes (data, tp): parameters replicated over data
     sample_rules: dict[str, list[str]] = field(default_factory=lambda: {
-        "batch": ["data"], "vocab": ["tp"], "mlp": ["tp"], "heads": ["tp"], "kv_heads": ["tp"]})
+        "batch": ["data"], "vocab": ["tp"], "mlp": ["tp"], "heads": ["tp"], "kv_heads": ["tp"],
+        "expert": ["tp"]})
 
     def __post_init__(self) -> None:
         _tuplify(self)
         _choice("mesh.placement", self.placement, Placement)
-        for key in ("data", "fsdp", "tp"):
+        for key in ("data", "fsdp", "expert", "tp"):
             value = getattr(self, key)
             if value == 0 or value < -1:
                 raise ConfigError(f"mesh.{key}={value} is not valid; use a positive size or -1 to fill.")
-        if [self.data, self.fsdp, self.tp].count(-1) > 1:
-            raise ConfigError("Only one of mesh.data, mesh.fsdp, mesh.tp may be -1; set the others.")
+        if [self.data, self.fsdp, self.expert, self.tp].count(-1) > 1:
+            raise ConfigError("Only one of mesh.data, mesh.fsdp, mesh.expert, mesh.tp may be -1; "
+                              "set the others.")
         _positive("mesh.rollout_tp", self.rollout_tp)
-        for key, axes in (("train_rules", {"data", "fsdp", "tp"}), ("sample_rules", {"data", "tp"})):
+        for key, axes in (("train_rules", {"data", "fsdp", "expert", "tp"}), ("sample_rules", {"data", "tp"})):
             bad = {a for names in getattr(self, key).values() for a in names} - axes
             if bad:
                 raise ConfigError(f"mesh.{key} names unknown mesh axes {sorted(bad)}; "

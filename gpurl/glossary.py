@@ -17,7 +17,7 @@ that shard's rows.
     F  hidden width of the MLP (mlp_dim)
     R  rotary frequencies of a head (E / 2)
     V  vocabulary
-    L  decoder layers
+    L  decoder layers (in routing replay's arrays: the sparse layers)
     P  prompts of a grouped batch: RL groups, preference pairs
     G  completions per prompt (GRPO's group; the k samples of pass@k)
     N  completion token slots (rollout.max_new_tokens)
@@ -31,6 +31,8 @@ that shard's rows.
     Y  blocks of a paged KV pool
     U  token slots of one KV block
     I  entries of a block table: the blocks one row may hold
+    O  experts of a mixture-of-experts layer (a token's top-k of them has no letter: those
+       arrays are named without a suffix, their shape in the docstring)
 """
 
 LETTERS = {
@@ -41,4 +43,5 @@ LETTERS = {
     "W": "prompt width", "M": "micro-batches", "C": "chunk tokens",
     "J": "chunks", "X": "examples", "Z": "concatenated tokens",
     "A": "data shards", "Y": "KV pool blocks", "U": "tokens per KV block", "I": "block-table entries",
+    "O": "experts",
 }

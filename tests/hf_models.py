@@ -36,6 +36,10 @@ FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
         num_hidden_layers=2, tie_word_embeddings=False, rope_theta=1_000_000.0)),
     "qwen3": (transformers.Qwen3Config, dict(
         num_hidden_layers=2, tie_word_embeddings=True, rope_theta=1_000_000.0)),
+    # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse: both stacks and their order
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        num_hidden_layers=3, mlp_only_layers=[1], num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)),
 }
 
 
@@ -54,10 +58,11 @@ def _redraw(model: torch.nn.Module, gemma: bool) -> None:
                 p.copy_(noise / p.shape[-1] ** 0.5 * 1.5)
 
 
-def build(family: str) -> transformers.PreTrainedModel:
-    """A tiny float32 model of `family` with eager attention and random weights."""
+def build(family: str, **overrides: Any) -> transformers.PreTrainedModel:
+    """A tiny float32 model of `family` (config fields `overrides` changed) with eager
+    attention and random weights."""
     config_cls, extra = FAMILIES[family]
-    config = config_cls(**{**COMMON, **extra})
+    config = config_cls(**{**COMMON, **extra, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="eager", dtype=torch.float32)

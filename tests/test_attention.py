@@ -1,7 +1,8 @@
 """Attention kernels: every implementation equals the jnp reference (outputs and
 gradients) over shapes, dtypes, GQA ratios, windows, soft-caps, padding and packing; the
-reference equals a float64 NumPy transcription; the Pallas kernels (interpreted here)
-lower to Triton for GPUs; `auto` and `cudnn` choose and fall back as documented; a model
+reference equals a float64 NumPy transcription and, where it skips keys past the causal
+diagonal, a plain masked softmax; the Pallas kernels (interpreted here) lower to Triton
+for GPUs; `auto` and `cudnn` choose and fall back as documented; a model
 gives the same logits and decode steps with each implementation."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 
 from conftest import TINY_MODEL, make_config
 from gpurl.config import ConfigError, ModelConfig
@@ -21,6 +23,7 @@ from gpurl.kernels.paged_attention import paged_decode_attention
 from gpurl.kernels.pallas_attention import flash_attention
 from gpurl.kernels.pallas_paged import paged_decode_attention as paged_pallas
 from gpurl.models import init_cache, model_spec
+from gpurl.models.layers import sharded_rows
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -243,6 +246,102 @@ def test_model_logits_and_decode_equal_for_each_implementation():
     want, got = run("xla"), run("pallas")
     for what, g, w in zip(("logits", "decode logits"), got, want):
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=what)
+
+
+# ------------------------------------------------ causal key skipping of `xla` (long calls)
+
+
+def plain(q, k, v, q_pos, q_seg, kv_pos, kv_seg, *, scale, softcap, window):
+    """Every query against every key in one masked softmax: no chunks, nothing skipped."""
+    mask_BxTxS = attn.attention_mask(q_pos, kv_pos, q_seg, kv_seg, window)
+    return attn._xla_attention(q, k, v, mask_BxTxS, scale, softcap)
+
+
+def matmul_flops(jaxpr) -> int:
+    """FLOPs of a jaxpr's dot_generals, nested jaxprs included, a scan's body (`lax.map`)
+    counted once per iteration; XLA's cost analysis counts a loop body only once."""
+    flops = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contracting, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            flops += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(
+                np.prod([lhs[d] for d in contracting]))
+        times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+        flops += times * sum(matmul_flops(sub) for sub in jaxprs_in_params(eqn.params))
+    return flops
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (40, 2.0)])
+def test_long_self_attention_skips_only_masked_keys(monkeypatch, window, softcap):
+    """With several query chunks, `contiguous` self-attention computes each query group
+    against its static key range only: outputs and gradients equal the plain masked
+    softmax (packed row, padded row, window), at clearly fewer FLOPs than dense chunks."""
+    c = Case(t=600, s=600, h=4, k=2, d=8, window=window, softcap=softcap, packed=True)
+    # 32-query dense chunks (19 of them, the last padded); 16 groups of 38 queries (the last
+    # of 30), the causal ones with the longest key prefixes in two chunks of 19 as well.
+    monkeypatch.setattr(attn, "CHUNK_BYTES", 32 * 4 * c.b * c.h * c.s)
+    assert attn.query_chunk(c.b, c.t, c.h, c.s) == 32
+    groups = attn.causal_groups(c.t, window)
+    assert len(groups) == attn.CAUSAL_GROUPS and groups[-1][1] == c.t
+    chunked = [attn.query_chunk(c.b, q1 - q0, c.h, q1 - k0) < q1 - q0 for q0, q1, k0 in groups]
+    assert any(chunked) == (window is None)
+
+    def xla(contiguous):
+        return lambda *a, **kw: attn.attention(*a, **kw, contiguous=contiguous)
+
+    want, want_grads = value_and_grads(plain, c)
+    for contiguous in (True, False):
+        got, got_grads = value_and_grads(xla(contiguous), c)
+        for what, g, w in zip(("out", "dq", "dk", "dv"), (got, *got_grads), (want, *want_grads)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(w).max()),
+                                       err_msg=f"{what}, contiguous={contiguous}")
+
+    qkv, mask = inputs(c)
+
+    def flops(contiguous):
+        def loss(q, k, v):
+            return xla(contiguous)(q, k, v, *mask, scale=0.4, softcap=softcap,
+                                   window=window).sum()
+        return matmul_flops(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(*qkv).jaxpr)
+
+    # Causal: about (G + 1) / 2G = 53% of dense for 16 groups; the window keeps ~13%.
+    assert flops(True) < (0.6 if window is None else 0.3) * flops(False)
+
+
+def test_skipping_model_step_equals_dense_under_remat_scan_and_sharding(monkeypatch):
+    """The Gemma 2-like tiny model (a windowed and a global layer in a scanned, fully
+    rematerialized stack), rows sharded over 4 devices, packed rows: the loss and the
+    gradients are the same whether attention runs as one dense chunk or skips keys."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]), ("data",))
+    rows, replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*p))
+                        for p in (("data",), ()))
+    spec = model_spec(make_config(model=dict(MODEL, remat="full")).model)
+    params = jax.device_put(jax.jit(lambda: spec.init(0))(), replicated)
+    t = 64
+    tokens = np.random.default_rng(5).integers(3, 259, (4, t))
+    segments = np.ones((4, t), np.int32)
+    segments[1, 40:], segments[2, 50:] = 2, 0  # a packed row, a padded one
+    positions = np.tile(np.arange(t), (4, 1))
+    positions[1, 40:] = np.arange(t - 40)
+    batch = [jax.device_put(jnp.asarray(x, jnp.int32), rows) for x in (tokens, positions, segments)]
+
+    def loss(params, tokens, positions, segments):
+        with sharded_rows(rows):
+            logits = spec.apply(params, tokens, positions, segments)
+        return jnp.sum(jax.nn.log_softmax(logits)[..., 7] * (segments != 0))
+
+    monkeypatch.setattr(attn, "CAUSAL_GROUPS", 4)  # 4 groups of 16 queries: fewer to compile
+    results = {}
+    for name, chunk_bytes in (("dense", attn.CHUNK_BYTES), ("skipping", 16 * 4 * 4 * 4 * t)):
+        # Read when traced, so each setting jits a new function (no cached trace).
+        monkeypatch.setattr(attn, "CHUNK_BYTES", chunk_bytes)
+        results[name] = jax.jit(jax.value_and_grad(lambda *a: loss(*a)))(params, *batch)
+    assert attn.query_chunk(4, t, 4, t) == 16  # 4 chunks: skipping ran
+    (want, want_grads), (got, got_grads) = results["dense"], results["skipping"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
 
 
 # ------------------------------------------------------------------ paged decode attention

@@ -81,7 +81,7 @@ def test_engine_equals_the_static_sampler(gemma2: Tiny, setting: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_moe"])
 def test_engine_greedy_equals_the_static_sampler_per_family(tiny_models: Any, family: str) -> None:
     tiny = tiny_models(family)
     ref = _rows(tiny.sampler("greedy").generate(tiny.params, PROMPTS, SEEDS), 4)

@@ -90,7 +90,7 @@ def _unrolled_logits(spec, params, tokens, positions, segments):
     x = jnp.take(model.embed[...], tokens, axis=0) * jnp.sqrt(jnp.float32(spec.cfg.d_model))
     for i, kind in enumerate(layer_kinds(spec.cfg)[1]):
         block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
-        x, _, _ = block(x, positions, segments, jnp.int32(kind), jnp.int32(i), None)
+        x, _, _, _ = block(x, positions, segments, jnp.int32(kind), jnp.int32(i), None)
     return model.logits(model.final_norm(x))
 
 

@@ -62,14 +62,16 @@ def test_the_plan_allocates_nothing_and_the_run_uses_the_programs_it_compiled(tm
 def test_a_run_that_does_not_fit_stops_with_one_sentence_before_allocating(tmp_path):
     cfg = make_config(**RL, run={"dir": str(tmp_path / "run")})
     cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, device_memory_gb=1e-4))
-    live = len(jax.live_arrays())
+    before = {id(a) for a in jax.live_arrays()}
     with pytest.raises(ConfigError) as info:
         loop.train(cfg)
     message = str(info.value)
     assert message.startswith("the train step needs ") and "\n" not in message
     assert "largest part: " in message and "model.lora.rank=16" in message
     assert "rollout.max_new_tokens=4" in message and "gpurl plan" in message
-    assert len(jax.live_arrays()) <= live and not (tmp_path / "run").exists()
+    # no array was created (not a count: arrays of earlier tests may be freed meanwhile)
+    assert not [a.shape for a in jax.live_arrays() if id(a) not in before]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_real_model_preset_without_weights_is_one_sentence():
@@ -94,7 +96,7 @@ def test_gpurl_plan_of_llama3_8b_on_8_simulated_gpus():
                  "plan.prompt_len=512", "rollout.max_new_tokens=1024", "data.num_eval=0")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "trainer mesh {'data': 1, 'fsdp': 8, 'tp': 1} of 8 cpu device(s)" in text
+    assert "trainer mesh {'data': 1, 'fsdp': 8, 'expert': 1, 'tp': 1} of 8 cpu device(s)" in text
     assert "model.dtype=bfloat16, model.remat=full" in text and "[gpurl] plan: fits" in text
     train_table = text.split("train step (GiB per device")[1].split("rollout (GiB")[0]
     parts = {}

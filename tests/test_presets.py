@@ -8,6 +8,7 @@ import pytest
 
 from gpurl.cli import validate
 from gpurl.models import count_params, model_spec
+from gpurl.models.spec import count_active_params
 
 # Published totals: the parameter counts reported by the checkpoints' model cards / HF
 # safetensors metadata (text model only for Gemma 3 4B, whose checkpoint adds a vision tower).
@@ -38,7 +39,12 @@ PUBLISHED = {
     "qwen3_14b": 14_800_000_000,
     "qwen3_32b": 32_800_000_000,
     "llama3_70b": 70_553_706_496,
+    # Qwen3 technical report (Yang et al. 2025), table 2 and the model cards: total 30.5B
+    # (3.3B activated) and 235B (22B activated)
+    "qwen3_30b_a3b": 30_500_000_000,
+    "qwen3_235b_a22b": 235_000_000_000,
 }
+ACTIVE = {"qwen3_30b_a3b": 3_300_000_000, "qwen3_235b_a22b": 22_000_000_000}
 
 
 # Tracing the init of a stack is quadratic in its layers (flax's RNG counter under
@@ -52,6 +58,16 @@ def test_preset_parameter_count(name):
     count = count_params(spec.abstract_params)
     assert abs(count - PUBLISHED[name]) / PUBLISHED[name] < 0.01, (name, count)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(spec.abstract_params))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ACTIVE))
+def test_moe_preset_active_parameters(name):
+    """The parameters a token runs through (embedding and head included) within the
+    published figures' precision: 3,353M for "3.3B" (and 22,1xxM for "22B")."""
+    spec = model_spec(validate([f"model={name}"]).model)
+    active = count_active_params(spec)
+    assert abs(active - ACTIVE[name]) / ACTIVE[name] < 0.02, (name, active)
 
 
 def test_layer_patterns_match_the_families():

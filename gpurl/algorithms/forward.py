@@ -33,7 +33,7 @@ def token_logprobs(apply: Callable[..., jax.Array], params: Any, batch: Batch,
     return jnp.take_along_axis(logp_BxTxV, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
 
 
-def group_states(spec: Any, params: Any, batch: Batch) -> jax.Array:
+def group_states(spec: Any, params: Any, batch: Batch, replay: bool = True) -> jax.Array:
     """Final-norm hidden states s_0..s_N of every completion, B x (N+1) x D for B = P x G
     rows of P prompts with G completions each (N token slots): s_j is the state after the
     prompt and the first j completion tokens, so s_j predicts token j and s_len is the
@@ -47,7 +47,10 @@ def group_states(spec: Any, params: Any, batch: Batch) -> jax.Array:
     the completions).
 
     Batch keys: prompt_tokens (P x W, right-padded), prompt_lengths (P), completions
-    (P x G x N), completion_lengths (P x G)."""
+    (P x G x N), completion_lengths (P x G); with routing replay (and `replay`: the
+    policy's forward, not a critic's) routes (P x G x N x S x k, the experts the sampler
+    chose for each completion token in each of the S sparse layers, -1 where it did not
+    record one), which the completion tokens are routed to."""
     prompt_PxW, plen_P = batch["prompt_tokens"], batch["prompt_lengths"]
     comp_PxGxN = batch["completions"]
     p, g, n = comp_PxGxN.shape
@@ -59,7 +62,10 @@ def group_states(spec: Any, params: Any, batch: Batch) -> jax.Array:
     comp_BxN = comp_PxGxN.reshape(p * g, n)
     pos_BxN = jnp.repeat(plen_P, g)[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
     seg_BxN = (jnp.arange(n)[None] < batch["completion_lengths"].reshape(-1, 1)).astype(jnp.int32)
-    hidden_BxNxD, _ = spec.hidden(params, comp_BxN, pos_BxN, seg_BxN, prompt)
+    routes = batch.get("routes") if replay else None
+    if routes is not None:  # P x G x N x S x k -> S x B x N x k
+        routes = jnp.moveaxis(routes.reshape(p * g, n, *routes.shape[3:]), 2, 0)
+    hidden_BxNxD, _ = spec.hidden(params, comp_BxN, pos_BxN, seg_BxN, prompt, routes)
     return jnp.concatenate([jnp.repeat(last_PxD, g, axis=0)[:, None], hidden_BxNxD], axis=1)
 
 

@@ -92,7 +92,7 @@ def critic_values(spec: ActorCriticSpec, params: Any, batch: Batch,
         if states is None:
             states = group_states(spec.policy, params["policy"], batch)
     else:
-        states = group_states(spec.critic.base, critic["backbone"], batch)
+        states = group_states(spec.critic.base, critic["backbone"], batch, replay=False)
     return head(critic["score"], states[:, :-1])
 
 

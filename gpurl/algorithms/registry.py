@@ -68,13 +68,18 @@ class Algorithm:
     needs_reference: Callable[[Any], bool] = _no_reference  # a frozen copy of the initial policy
     # (spec, params, model config, out dir, adapter) -> the HF directory written
     export: Callable[..., Any] = export_language_model
+    # a mixture-of-experts model's load-balancing loss coefficient unless
+    # model.moe.aux_loss_coef sets one: Qwen3's router_aux_loss_coef (0.001) for supervised
+    # fine-tuning; off for RL and preference learning, as verl's Megatron bridge for
+    # Qwen3-MoE sets (moe_router_load_balancing_type="none", "default None for RL")
+    router_aux_loss: float = 0.0
 
 
 _GRPO_FAMILY = dict(family=Family.RL, config=GRPOConfig, objective=grpo.objective,
                     prepare=grpo.prepare, needs_reference=_kl_reference)
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    Algorithm("sft", Family.SFT, SFTConfig, sft.objective),
+    Algorithm("sft", Family.SFT, SFTConfig, sft.objective, router_aux_loss=0.001),
     # the GRPO family: one objective, presets differ (configs/algo/*.yaml)
     Algorithm("grpo", **_GRPO_FAMILY),
     Algorithm("gspo", **_GRPO_FAMILY),

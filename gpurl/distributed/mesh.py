@@ -16,24 +16,24 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.config import ConfigError, MeshConfig
 
-TRAIN_AXES = ("data", "fsdp", "tp")
+TRAIN_AXES = ("data", "fsdp", "expert", "tp")
 Rules = Mapping[str, Sequence[str]]
 
 
 def trainer_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """(data, fsdp, tp) mesh over all devices; one size may be -1 to take what is left."""
+    """(data, fsdp, expert, tp) mesh over all devices; one size may be -1 to take what is left."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [cfg.data, cfg.fsdp, cfg.tp]
+    sizes = [cfg.data, cfg.fsdp, cfg.expert, cfg.tp]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % fixed:
             raise ConfigError(
-                f"mesh sizes data={cfg.data} fsdp={cfg.fsdp} tp={cfg.tp} do not fit "
+                f"mesh sizes data={cfg.data} fsdp={cfg.fsdp} expert={cfg.expert} tp={cfg.tp} do not fit "
                 f"{len(devices)} devices; make the fixed sizes divide the device count.")
         sizes[sizes.index(-1)] = len(devices) // fixed
     if math.prod(sizes) != len(devices):
         raise ConfigError(
-            f"mesh.data*mesh.fsdp*mesh.tp = {math.prod(sizes)} but there are {len(devices)} "
+            f"mesh.data*mesh.fsdp*mesh.expert*mesh.tp = {math.prod(sizes)} but there are {len(devices)} "
             f"devices; choose sizes whose product is {len(devices)} (or set one to -1).")
     return Mesh(np.asarray(devices).reshape(sizes), TRAIN_AXES)
 

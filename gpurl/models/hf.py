@@ -18,11 +18,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from gpurl.config import ConfigError, ModelConfig
+from gpurl.config import ConfigError, ModelConfig, MoEConfig
 from gpurl.models import families
 from gpurl.models.families import HFFamily
 from gpurl.models.safetensors_io import open_checkpoint
 from gpurl.models.spec import ModelSpec, Params
+from gpurl.models.transformer import layer_stacks
 
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "silu": "silu",
@@ -85,7 +86,23 @@ def config_from_dict(hf: dict[str, Any], base: ModelConfig, source: str) -> Mode
                       final_softcap=_float_or_none(get("final_logit_softcapping")))
     fields.update(_window_fields(hf, fam, fields["num_layers"], source))
     fields.update(_rope_fields(hf, fam, fields["sliding_window"] is not None, source))
+    fields["moe"] = _moe_config(hf, fam, base.moe) if fam.moe else dataclasses.replace(
+        base.moe, num_experts=0)
     return dataclasses.replace(base, **fields)
+
+
+def _moe_config(hf: dict[str, Any], fam: HFFamily, base: MoEConfig) -> MoEConfig:
+    """The experts of a mixture-of-experts config.json (transformers 5 writes
+    num_local_experts, older files num_experts); the training terms stay `base`'s."""
+    def get(key: str) -> Any:
+        return hf.get(key, fam.defaults.get(key))
+
+    experts = hf.get("num_local_experts", get("num_experts"))
+    return dataclasses.replace(
+        base, num_experts=int(experts), experts_per_token=int(get("num_experts_per_tok")),
+        expert_mlp_dim=int(get("moe_intermediate_size")), norm_topk_prob=bool(get("norm_topk_prob")),
+        sparse_step=int(get("decoder_sparse_step")),
+        dense_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()))
 
 
 def _float_or_none(x: Any) -> float | None:
@@ -196,7 +213,12 @@ class HFTensor:
     name: str
     shape: tuple[int, ...]
     transpose: bool = False
-    layer: int | None = None
+    layer: int | None = None  # index in the stack (`layer_stacks`), not the layer's number
+    expert: int | None = None  # index on the experts axis (a mixture-of-experts weight)
+
+    def index(self) -> tuple[int, ...]:
+        """Where this tensor sits in its leaf: (stack index[, expert])."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
     def host_value(self, leaf: np.ndarray) -> np.ndarray:
         """This tensor in HF's layout from gpurl's host value of its (layer of the) leaf."""
@@ -224,10 +246,11 @@ def hf_layout(cfg: ModelConfig) -> list[HFTensor]:
 def _block_layout(cfg: ModelConfig, i: int) -> list[HFTensor]:
     d, f, e = cfg.d_model, cfg.mlp_dim, cfg.head_dim
     heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
+    stack, index = layer_stacks(cfg)[i]
 
     def t(path: tuple[str, ...], name: str, shape: tuple[int, ...],
-          transpose: bool = False) -> HFTensor:
-        return HFTensor(("blocks",) + path, f"model.layers.{i}.{name}", shape, transpose, i)
+          transpose: bool = False, expert: int | None = None) -> HFTensor:
+        return HFTensor((stack,) + path, f"model.layers.{i}.{name}", shape, transpose, index, expert)
 
     out = [t(("attn", x), f"self_attn.{x}_proj.weight", (n * e, d), True) for x, n in heads.items()]
     out.append(t(("attn", "o"), "self_attn.o_proj.weight", (d, cfg.num_heads * e), True))
@@ -237,6 +260,14 @@ def _block_layout(cfg: ModelConfig, i: int) -> list[HFTensor]:
         out += [t(("attn", f"{x}_norm", "scale"), f"self_attn.{x}_norm.weight", (e,)) for x in "qk"]
     norms = _SANDWICH_NORMS if cfg.post_norms else _NORMS
     out += [t((ours, "scale"), f"{theirs}.weight", (d,)) for ours, theirs in norms.items()]
+    if cfg.moe.is_sparse(i):
+        fx = cfg.moe.expert_mlp_dim
+        out.append(t(("moe", "router"), "mlp.gate.weight", (cfg.moe.num_experts, d), True))
+        for j in range(cfg.moe.num_experts):
+            out += [t(("moe", x), f"mlp.experts.{j}.{x}_proj.weight", (fx, d), True, j)
+                    for x in ("gate", "up")]
+            out.append(t(("moe", "down"), f"mlp.experts.{j}.down_proj.weight", (d, fx), True, j))
+        return out
     out += [t(("mlp", x), f"mlp.{x}_proj.weight", (f, d), True) for x in ("gate", "up")]
     out.append(t(("mlp", "down"), "mlp.down_proj.weight", (d, f), True))
     return out
@@ -281,6 +312,30 @@ def _text_tensors(path: Path) -> dict[str, np.ndarray]:
                 name = new + name[len(old):]
                 break
         out[name] = view
+    return _split_fused_experts(out)
+
+
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def _split_fused_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert views of fused expert tensors (transformers 5's in-memory layout,
+    `experts.gate_up_proj` E x 2F x D and `experts.down_proj` E x D x F) under the
+    per-expert names checkpoints on the Hub use (`experts.{j}.gate_proj.weight`, ...)."""
+    out = {}
+    for name, view in tensors.items():
+        match = _FUSED.match(name)
+        if match is None:
+            out[name] = view
+            continue
+        prefix, kind = match.groups()
+        for j in range(view.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}.{j}.down_proj.weight"] = view[j]
+            else:
+                half = view.shape[1] // 2
+                out[f"{prefix}.{j}.gate_proj.weight"] = view[j, :half]
+                out[f"{prefix}.{j}.up_proj.weight"] = view[j, half:]
     return out
 
 
@@ -325,28 +380,38 @@ def load_hf_params(path: str | Path, spec: ModelSpec, shardings: Params,
     check_layout(layout, spec.abstract_params)
     tensors = {n: v for n, v in _text_tensors(path).items() if n not in extra}
     _check_names(layout, tensors, path, cfg)
-    views: dict[tuple, list[np.ndarray]] = {}  # a leaf's views: one, or one per layer
-    stacked = {t.path for t in layout if t.layer is not None}
+    views: dict[tuple, dict[tuple[int, ...], np.ndarray]] = {}  # a leaf's views by `index()`
     for t in layout:
         view, target = tensors[t.name], leaf_at(spec.abstract_params, t.path)
         if tuple(view.shape) != t.shape:
             raise _mismatch(path, cfg, f"tensor {t.name} has shape {tuple(view.shape)}, expected "
                                        f"{t.shape}")
-        shape = target.shape if t.layer is None else target.shape[1:]
-        views.setdefault(t.path, []).append((view.T if t.transpose else view).reshape(shape))
+        shape = target.shape[len(t.index()):]
+        views.setdefault(t.path, {})[t.index()] = (view.T if t.transpose else view).reshape(shape)
     params: Params = {}
     for leaf_path, parts in views.items():  # views, no copy, until a device reads its slice
         target = leaf_at(spec.abstract_params, leaf_path)
         _set(params, leaf_path, jax.make_array_from_callback(
             target.shape, leaf_at(shardings, leaf_path),
-            lambda index, parts=parts, dt=target.dtype, layers=leaf_path in stacked:
-            _read(parts, index, dt, layers)))
+            lambda index, parts=parts, dt=target.dtype: _read(parts, index, dt)))
     return params
 
 
-def _read(parts: list[np.ndarray], index: tuple, dtype: Any, stacked: bool) -> np.ndarray:
-    """The slice `index` of a parameter from its memory-mapped views (one per layer when
-    `stacked`)."""
-    if not stacked:
-        return np.array(parts[0][index], dtype, order="C")
-    return np.stack([np.asarray(parts[i][index[1:]], dtype) for i in range(len(parts))[index[0]]])
+def _read(parts: dict[tuple[int, ...], np.ndarray], index: tuple, dtype: Any) -> np.ndarray:
+    """The slice `index` of a parameter from its memory-mapped views, keyed by their place
+    on the leaf's stacked leading axes (layers, then experts; () for an unstacked leaf)."""
+    depth = len(next(iter(parts)))
+    if depth == 0:
+        return np.array(parts[()][index], dtype, order="C")
+    sizes = [1 + max(k[d] for k in parts) for d in range(depth)]
+    lead = [range(n)[i] for n, i in zip(sizes, index[:depth])]
+    rest = index[depth:]
+    out = np.stack([np.asarray(parts[k][rest], dtype) for k in _product(lead)])
+    return out.reshape(tuple(len(r) for r in lead) + out.shape[1:])
+
+
+def _product(ranges: list[range]) -> list[tuple[int, ...]]:
+    keys: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        keys = [k + (i,) for k in keys for i in r]
+    return keys

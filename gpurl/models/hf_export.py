@@ -59,6 +59,12 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
                   layer_types=[FULL if cfg.is_global(i) else SLIDING for i in range(cfg.num_layers)])
     if fam.local_rope:
         hf["rope_local_base_freq"] = _number(cfg.rope_local_theta or cfg.rope_theta)
+    if fam.moe:
+        moe = cfg.moe
+        hf.update(num_experts=moe.num_experts, num_experts_per_tok=moe.experts_per_token,
+                  moe_intermediate_size=moe.expert_mlp_dim, norm_topk_prob=moe.norm_topk_prob,
+                  decoder_sparse_step=moe.sparse_step, mlp_only_layers=list(moe.dense_layers),
+                  router_aux_loss_coef=0.001 if moe.aux_loss_coef is None else moe.aux_loss_coef)
     _check_expressible(cfg, hf)
     return hf
 
@@ -158,7 +164,7 @@ def export_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
             return extra[i - len(layout)][1]
         t = layout[i]
         leaf = leaf_at(params, t.path)
-        return t.host_value(host(leaf if t.layer is None else leaf[t.layer]))
+        return t.host_value(host(leaf[t.index()] if t.index() else leaf))
 
     write_tensors(out / "model.safetensors" if writer else None, entries, fetch, {"format": "pt"})
     if writer:

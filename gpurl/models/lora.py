@@ -61,8 +61,10 @@ def target_paths(cfg: ModelConfig) -> list[str]:
     """Paths ("blocks/3/attn/q": layer 3's q) of the projections `model.lora.targets` selects.
     The parameters of all layers are stacked ("blocks/attn/q" with a leading layers axis);
     these per-layer paths are how adapters are chosen and exported."""
+    # a mixture-of-experts layer's MLP is its experts, which take no adapters
     candidates = [f"blocks/{i}/{module}/{name}" for i in range(cfg.num_layers)
-                  for module, name in PROJECTIONS]
+                  for module, name in PROJECTIONS
+                  if not (module == "mlp" and cfg.moe.is_sparse(i))]
     chosen = set()
     for pattern in cfg.lora.targets:
         hits = {p for p in candidates if _matches(pattern, p)}

@@ -41,9 +41,11 @@ class ModelSpec:
         return nnx.merge(self.graphdef, params)(tokens_BxT, positions_BxT, segments_BxT)
 
     def hidden(self, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
-               segments_BxT: jax.Array, cache: KVCache | PromptKV | None = None):
+               segments_BxT: jax.Array, cache: KVCache | PromptKV | None = None,
+               routes: jax.Array | None = None):
         """Final-norm hidden states and the cache (`Transformer.hidden`)."""
-        return nnx.merge(self.graphdef, params).hidden(tokens_BxT, positions_BxT, segments_BxT, cache)
+        return nnx.merge(self.graphdef, params).hidden(tokens_BxT, positions_BxT, segments_BxT,
+                                                       cache, routes)
 
     def prompt_kv(self, params: Params, tokens_PxW: jax.Array, positions_PxW: jax.Array,
                   segments_PxW: jax.Array, group: int) -> tuple[jax.Array, PromptKV]:
@@ -94,3 +96,13 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
 
 def count_params(params: Params) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def count_active_params(spec: ModelSpec) -> int:
+    """Parameters one token runs through: all but the experts it is not routed to (each
+    sparse layer uses experts_per_token of num_experts)."""
+    total, moe = count_params(spec.abstract_params), spec.cfg.moe
+    if not moe.num_experts:
+        return total
+    experts = sum(int(spec.abstract_params["blocks"]["moe"][k].size) for k in ("gate", "up", "down"))
+    return total - experts * (moe.num_experts - moe.experts_per_token) // moe.num_experts

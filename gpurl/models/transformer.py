@@ -16,11 +16,9 @@ and written in place; a training forward's `PromptKV` is scanned with the layers
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import flax.struct
 import jax
@@ -28,46 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gpurl.config import ModelConfig
 from gpurl.kernels.attention import attention, paged_attention, resolve
 from gpurl.models import lora
-
-_ACTIVATIONS = {
-    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "silu": jax.nn.silu,
-}
+from gpurl.models.layers import ACTIVATIONS, constrain_rows, param as _param
+from gpurl.models import moe
+from gpurl.models.moe import MoE
 
 
 def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
-
-
-# The sharding of batch rows while a program is traced (`sharded_rows`); None: no mesh.
-_ROWS: contextvars.ContextVar[NamedSharding | None] = contextvars.ContextVar("rows", default=None)
-
-
-@contextlib.contextmanager
-def sharded_rows(rows: NamedSharding | None) -> Iterator[None]:
-    """Forward passes traced inside this block keep their activations' rows (axis 0)
-    sharded like `rows` (a batch sharding): without it XLA may all-gather the activations
-    instead of the FSDP-sharded weights, which replicates every activation of a step on
-    every device of the fsdp axis."""
-    token = _ROWS.set(rows)
-    try:
-        yield
-    finally:
-        _ROWS.reset(token)
-
-
-def constrain_rows(x: jax.Array) -> jax.Array:
-    """`x` (rows first) with its rows sharded as `sharded_rows` says; other axes free."""
-    rows = _ROWS.get()
-    if rows is None or x.ndim == 0:
-        return x
-    spec = P(rows.spec[0] if rows.spec else None, *([P.UNCONSTRAINED] * (x.ndim - 1)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(rows.mesh, spec))
 
 
 def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
@@ -75,12 +44,6 @@ def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
     if cfg.dtype == "auto":
         return jnp.dtype(jnp.float32 if _on_cpu() else jnp.bfloat16)
     return jnp.dtype(cfg.dtype)
-
-
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float,
-           dtype: Any) -> nnx.Param:
-    value = std * jax.random.normal(rngs.params(), shape, dtype=jnp.float32)
-    return nnx.Param(value.astype(dtype), logical_axes=axes)
 
 
 class RMSNorm(nnx.Module):
@@ -236,7 +199,7 @@ class MLP(nnx.Module):
         self.gate = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
         self.up = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
         self.down = _param(rngs, (f, d), ("mlp", "embed"), cfg.init_std, pd)
-        self.act = _ACTIVATIONS[cfg.activation]
+        self.act = ACTIVATIONS[cfg.activation]
 
     def __call__(self, x_BxTxD: jax.Array, layer: jax.Array) -> jax.Array:
         dt = x_BxTxD.dtype
@@ -247,28 +210,61 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm block; Gemma 2/3 add a norm after attention and after the MLP. One Block
-    holds all L layers: each parameter has a leading `layers` axis (`stack_layers`)."""
+    """Pre-norm block; Gemma 2/3 add a norm after attention and after the MLP. A sparse
+    block's MLP is a mixture of experts (`moe`). One Block holds all layers of a stack:
+    each parameter has a leading `layers` axis (`stack_layers`)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False):
         def norm() -> RMSNorm:
             return RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one, cfg.param_dtype)
 
         self.attn_norm = norm()
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = norm()
-        self.mlp = MLP(cfg, rngs)
+        if sparse:
+            self.moe = MoE(cfg, rngs)
+        else:
+            self.mlp = MLP(cfg, rngs)
         if cfg.post_norms:
             self.post_attn_norm = norm()
             self.post_mlp_norm = norm()
-        self.post_norms = cfg.post_norms
+        self.post_norms, self.sparse = cfg.post_norms, sparse
 
-    def __call__(self, x_BxTxD, positions_BxT, segments_BxT, kind, layer, cache=None):
+    def __call__(self, x_BxTxD, positions_BxT, segments_BxT, kind, layer, cache=None, routes=None):
+        """(output, cache, this layer's keys and values, router stats and chosen experts
+        of a sparse block, else None)."""
         h_BxTxD, cache, kv = self.attn(self.attn_norm(x_BxTxD), positions_BxT, segments_BxT,
                                        kind, layer, cache)
         x_BxTxD = x_BxTxD + (self.post_attn_norm(h_BxTxD) if self.post_norms else h_BxTxD)
-        h_BxTxD = self.mlp(self.mlp_norm(x_BxTxD), layer)
-        return x_BxTxD + (self.post_mlp_norm(h_BxTxD) if self.post_norms else h_BxTxD), cache, kv
+        routing = None
+        if self.sparse:
+            h_BxTxD, stats, experts = self.moe(self.mlp_norm(x_BxTxD), segments_BxT > 0, routes)
+            routing = (stats, experts)
+        else:
+            h_BxTxD = self.mlp(self.mlp_norm(x_BxTxD), layer)
+        x_BxTxD = x_BxTxD + (self.post_mlp_norm(h_BxTxD) if self.post_norms else h_BxTxD)
+        return x_BxTxD, cache, kv, routing
+
+
+def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
+    """(stack, index in the stack) of each layer. One stack, `blocks`, unless a
+    mixture-of-experts model has dense layers too: those are `dense_blocks` (their MLP has
+    other parameters, so they cannot share a stack with the sparse ones)."""
+    sparse = [cfg.moe.is_sparse(i) for i in range(cfg.num_layers)]
+    mixed = any(sparse) and not all(sparse)
+    names = ["dense_blocks" if mixed and not is_sparse else "blocks" for is_sparse in sparse]
+    return tuple((n, names[:i].count(n)) for i, n in enumerate(names))
+
+
+def layer_runs(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
+    """Consecutive layers of one stack, in order: (stack, first index in it, count, first layer)."""
+    runs: list[tuple[str, int, int, int]] = []
+    for layer, (name, index) in enumerate(layer_stacks(cfg)):
+        if runs and runs[-1][0] == name:
+            runs[-1] = runs[-1][:2] + (runs[-1][2] + 1, runs[-1][3])
+        else:
+            runs.append((name, index, 1, layer))
+    return runs
 
 
 def stack_layers(blocks: list[Block]) -> Block:
@@ -294,14 +290,17 @@ class Transformer(nnx.Module):
         emb_std = 1.0 / math.sqrt(cfg.d_model) if cfg.scale_embeddings else cfg.init_std
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), emb_std,
                             cfg.param_dtype)
-        blocks = [Block(cfg, rngs) for _ in range(cfg.num_layers)]
+        blocks = [Block(cfg, rngs, cfg.moe.is_sparse(i)) for i in range(cfg.num_layers)]
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one, cfg.param_dtype)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                   cfg.init_std, cfg.param_dtype)
         if cfg.lora.rank:
             lora.attach(blocks, cfg, rngs)
-        self.blocks = stack_layers(blocks)
+        stacks = [name for name, _ in layer_stacks(cfg)]
+        self.blocks = stack_layers([b for b, n in zip(blocks, stacks) if n == "blocks"])
+        if "dense_blocks" in stacks:
+            self.dense_blocks = stack_layers([b for b, n in zip(blocks, stacks) if n == "dense_blocks"])
         self.layer_kinds = layer_kinds(cfg)[1]
         self.remat = remat_policy(cfg)
 
@@ -311,11 +310,14 @@ class Transformer(nnx.Module):
         return self.logits(hidden_BxTxD)
 
     def hidden(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
-               cache: KVCache | PromptKV | None = None
+               cache: KVCache | PromptKV | None = None, routes: jax.Array | None = None
                ) -> tuple[jax.Array, KVCache | PromptKV | None]:
         """Final-norm hidden states of the T tokens. With a `KVCache` (sampling) they are
-        appended to it; with a `PromptKV` (a training forward) they attend to its prompts."""
-        x_BxTxD, cache, _ = self._layers(tokens_BxT, positions_BxT, segments_BxT, cache, False)
+        appended to it; with a `PromptKV` (a training forward) they attend to its prompts.
+        `routes`: experts the sampler chose for these tokens (routing replay;
+        -1 routes a token afresh)."""
+        x_BxTxD, cache, _ = self._layers(tokens_BxT, positions_BxT, segments_BxT, cache, False,
+                                         routes)
         return x_BxTxD, cache
 
     def prompt_kv(self, tokens_PxW: jax.Array, positions_PxW: jax.Array,
@@ -326,9 +328,13 @@ class Transformer(nnx.Module):
         return x_PxWxD, PromptKV(k, v, positions_PxW, segments_PxW, group)
 
     def _layers(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
-                cache: KVCache | PromptKV | None, keep_kv: bool) -> tuple[jax.Array, Any, Any]:
-        """The embedding and one `lax.scan` over the stacked layers: (final-norm hidden
-        states, the carried KVCache, with `keep_kv` every layer's keys and values)."""
+                cache: KVCache | PromptKV | None, keep_kv: bool,
+                routes: jax.Array | None = None) -> tuple[jax.Array, Any, Any]:
+        """The embedding and one `lax.scan` per run of layers of one stack (`layer_runs`;
+        one scan unless a mixture-of-experts model mixes dense layers in): (final-norm
+        hidden states, the carried KVCache, with `keep_kv` every layer's keys and values).
+        A sparse layer's router stats go to `moe.record`; `routes` (L sparse layers x B x
+        T x k) replays recorded expert choices."""
         x_BxTxD = jnp.take(self.embed[...].astype(self.dtype), tokens_BxT, axis=0)
         if self.cfg.scale_embeddings:
             # Gemma rounds the normalizer to the compute dtype before multiplying.
@@ -341,30 +347,57 @@ class Transformer(nnx.Module):
                 positions=jax.lax.dynamic_update_slice(cache.positions, positions_BxT, start),
                 segments=jax.lax.dynamic_update_slice(cache.segments, segments_BxT, start))
         prompt = cache if isinstance(cache, PromptKV) else None
-        graphdef, stacked = nnx.split(self.blocks)
+        kinds = jnp.asarray(self.layer_kinds, jnp.int32)
+        kv_parts, stats_parts = [], []
+        for name, first, count, layer0 in layer_runs(self.cfg):
+            graphdef, stacked = nnx.split(getattr(self, name))
+            if count != jax.tree.leaves(stacked)[0].shape[0]:
+                stacked = jax.tree.map(lambda v, a=first, n=count: v[a:a + n], stacked)
+            run = slice(layer0, layer0 + count)
+            replayed = None  # this run's sparse layers' slice (sparse layers are `blocks`)
+            if routes is not None and name == "blocks":
+                replayed = routes[first:first + count]
+            xs = (stacked, kinds[run], jnp.arange(layer0, layer0 + count, dtype=jnp.int32),
+                  None if prompt is None else (prompt.k[run], prompt.v[run]), replayed)
+            (x_BxTxD, cache), (kv, routing) = jax.lax.scan(
+                self._layer_fn(graphdef, positions_BxT, segments_BxT, prompt, carried, keep_kv),
+                (x_BxTxD, cache if carried else None), xs)
+            kv_parts.append(kv)
+            if routing is not None:
+                stats_parts.append(routing)
+        if stats_parts:
+            moe.record(jax.tree.map(lambda *xs: jnp.concatenate(xs), *(s for s, _ in stats_parts)))
+            if moe.recording_experts():
+                moe.record_experts(jnp.concatenate([e for _, e in stats_parts]))
+        kv = (kv_parts[0] if len(kv_parts) == 1 or not keep_kv else
+              jax.tree.map(lambda *xs: jnp.concatenate(xs), *kv_parts))
+        if isinstance(cache, KVCache):
+            cache = cache.replace(index=cache.index + tokens_BxT.shape[1])
+        return self.final_norm(x_BxTxD), cache, kv
+
+    def _layer_fn(self, graphdef: Any, positions_BxT: jax.Array, segments_BxT: jax.Array,
+                  prompt: PromptKV | None, carried: bool, keep_kv: bool):
+        """The scan body over one run of stacked layers."""
+        keep_experts = moe.recording_experts()
 
         def layer(carry, xs):
             x_BxTxD, kv_cache = carry
-            state, kind, index, prompt_kv = xs
+            state, kind, index, prompt_kv, routes = xs
             if prompt is not None:  # this layer's slice of the prompts' keys and values
                 kv_cache = prompt.replace(k=prompt_kv[0], v=prompt_kv[1])
-            x_BxTxD, kv_cache, kv = nnx.merge(graphdef, state)(
-                constrain_rows(x_BxTxD), positions_BxT, segments_BxT, kind, index, kv_cache)
+            x_BxTxD, kv_cache, kv, routing = nnx.merge(graphdef, state)(
+                constrain_rows(x_BxTxD), positions_BxT, segments_BxT, kind, index, kv_cache, routes)
             x_BxTxD = constrain_rows(x_BxTxD)
-            return (x_BxTxD, kv_cache if carried else None), (kv if keep_kv else None)
+            if routing is not None and not keep_experts:
+                routing = (routing[0], None)
+            return (x_BxTxD, kv_cache if carried else None), (kv if keep_kv else None, routing)
 
         # The backward pass keeps what the policy saves of each layer and recomputes the
         # rest. A carried cache belongs to sampling, which has no backward pass; a PromptKV
         # is scanned (not carried), so no copy of it is saved per layer.
         if not carried and self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        xs = (stacked, jnp.asarray(self.layer_kinds, jnp.int32),
-              jnp.arange(self.cfg.num_layers, dtype=jnp.int32),
-              None if prompt is None else (prompt.k, prompt.v))
-        (x_BxTxD, cache), kv = jax.lax.scan(layer, (x_BxTxD, cache if carried else None), xs)
-        if isinstance(cache, KVCache):
-            cache = cache.replace(index=cache.index + tokens_BxT.shape[1])
-        return self.final_norm(x_BxTxD), cache, kv
+        return layer
 
     def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
         """Output logits of final-norm hidden states (any leading shape)."""

@@ -140,7 +140,8 @@ class Collector:
         assembled_at = time.perf_counter()
         parts = [tuple(self.to_trainer(x) for x in (
             r.prompt_tokens, r.prompt_lengths, r.rollout.tokens, r.rollout.lengths,
-            r.rollout.logprobs, shaped)) for r, shaped in zip(rounds, rewards)]
+            r.rollout.logprobs, shaped) + ((r.rollout.routes,) if r.rollout.routes is not None
+                                           else ())) for r, shaped in zip(rounds, rewards)]
         batch, rewards_B = self._assemble(parts, jnp.asarray(select_B, jnp.int32),
                                           jnp.asarray(keep_B))
         metrics = self._stats(rounds[0].scores, rounds[0].rollout.lengths, rewards[0],
@@ -184,8 +185,8 @@ class Collector:
         by prompt: every array's leading axis is the P prompts, so micro-batches and
         shards split whole groups."""
         g = self.group
-        cat = [jnp.concatenate([r[i] for r in rounds]) for i in range(6)]
-        prompt_BxW, plen_B, comp_BxN, clen_B, clp_BxN, rewards_B = (x[select_B] for x in cat)
+        cat = [jnp.concatenate([r[i] for r in rounds]) for i in range(len(rounds[0]))]
+        prompt_BxW, plen_B, comp_BxN, clen_B, clp_BxN, rewards_B, *routes = (x[select_B] for x in cat)
         p, n = select_B.shape[0] // g, comp_BxN.shape[1]
         real_BxN = jnp.arange(n)[None, :] < clen_B[:, None]
         grouped = lambda x: x.reshape(p, g, *x.shape[1:])  # noqa: E731
@@ -195,6 +196,8 @@ class Collector:
                  "completion_lengths": grouped(clen_B.astype(jnp.int32)),
                  "comp_mask": grouped((real_BxN & keep_B[:, None]).astype(jnp.float32)),
                  "sampler_logprobs": grouped(jnp.where(real_BxN, clp_BxN, 0.0))}
+        if routes:  # routing replay: B x N x S x k
+            batch["routes"] = grouped(routes[0])
         return batch, rewards_B
 
     def _round_stats(self, scores: jax.Array, lengths_B: jax.Array, rewards_B: jax.Array,

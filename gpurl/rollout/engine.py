@@ -37,11 +37,13 @@ top-p truncation (`sampling.sample_rows`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.struct
 import jax
@@ -52,6 +54,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.config import ConfigError, RolloutConfig
 from gpurl.distributed.mesh import Rules, replicated, tree_shardings
+from gpurl.models import moe
+from gpurl.models.layers import sharded_rows
 from gpurl.models.spec import ModelSpec, Params
 from gpurl.models.transformer import PagedKV, compute_dtype
 from gpurl.rollout.decode import local_rows
@@ -74,6 +78,7 @@ class Rollout:
     tokens: jax.Array  # B x N int32: sampled tokens, pad after the stop
     lengths: jax.Array  # B int32: tokens generated, the stop token included
     logprobs: jax.Array  # B x N float32: log-prob of each sampled token, 0 after the stop
+    routes: jax.Array | None = None  # B x N x S x k int16: routing replay's experts (Completion.routes)
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,10 @@ class Completion:
     tokens: np.ndarray  # int32: generated tokens, the stop token included
     logprobs: np.ndarray  # float32: log-prob of each under the distribution sampled from
     stopped: bool  # ended on a stop id (else at max_new_tokens)
+    # routing replay: the experts each token was routed to when it was fed back in
+    # (N x S sparse layers x k, int16; -1 where none was recorded: the last token, and
+    # tokens a recompute or resume prefill fed); None unless model.moe.replay_routing
+    routes: np.ndarray | None = None
 
 
 @dataclass
@@ -106,6 +115,7 @@ class _Live:
     request: Request
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)  # of tokens[0], tokens[1], ...
     blocks: list[int] = field(default_factory=list)
     length: int = 0  # tokens in the pool (the next token's position)
     admitted: int = -1  # admission order (the newest gives its blocks back first)
@@ -160,8 +170,22 @@ class Generator:
         self.spec, self.cfg, self.mesh = spec, cfg, mesh
         self.param_shardings = tree_shardings(spec.abstract_params, spec.logical_axes, rules, mesh)
         self.rows = NamedSharding(mesh, P("data"))
+        self.rules = rules
         self.stop_ids = tuple(sorted(set(stop_ids)))
         self.pad_id = pad_id
+
+    def traced(self, fn: Callable) -> Callable:
+        """`fn` tracing the model with its rows and parameter layout known, which a
+        mixture-of-experts model needs to run its experts where their weights live
+        (`gpurl.models.moe`); a dense model's programs stay as they were."""
+        if not self.spec.cfg.moe.num_experts:
+            return fn
+
+        @functools.wraps(fn)
+        def inside(*args: Any) -> Any:
+            with sharded_rows(self.rows, self.rules):
+                return fn(*args)
+        return inside
 
     def place(self, params: Params) -> Params:
         """Parameters in the sampling layout (a no-op when they already are)."""
@@ -185,8 +209,14 @@ class Engine(Generator):
         self._stop_sets: dict[tuple[int, ...], int] = {}
         self._stop_table: jax.Array | None = None
         self._stop_set(None)
-        self._prefill = jax.jit(self._prefill_fn, static_argnums=(0,), donate_argnums=(2, 3))
-        self._chunk = jax.jit(self._chunk_fn, static_argnums=(0,), donate_argnums=(2, 3))
+        moe = spec.cfg.moe
+        # (sparse layers, experts per token) recorded per decoded token, or None
+        self.routes_shape = ((sum(moe.is_sparse(i) for i in range(m.num_layers)),
+                               moe.experts_per_token)
+                              if moe.num_experts and moe.replay_routing else None)
+        self._prefill = jax.jit(self.traced(self._prefill_fn), static_argnums=(0,),
+                                donate_argnums=(2, 3))
+        self._chunk = jax.jit(self.traced(self._chunk_fn), static_argnums=(0,), donate_argnums=(2, 3))
         self._compiled: dict[tuple, object] = {}  # ahead-of-time programs (the memory plan's)
         self.stats: dict[str, float] = {}
 
@@ -234,7 +264,8 @@ class Engine(Generator):
         def finish(shard: _Shard, live: _Live) -> None:
             shard.release(live)
             out = Completion(np.asarray(live.tokens, np.int32),
-                             np.asarray(live.logprobs, np.float32), live.stopped)
+                             np.asarray(live.logprobs, np.float32), live.stopped,
+                             self._routes(live))
             follow = resume(live.index, out) if resume else None
             if follow is None:
                 done[live.index] = out
@@ -460,7 +491,7 @@ class Engine(Generator):
         k, v = self._pool
         args = (params, k, v, *(self._global(x.reshape(-1, *x.shape[2:]))
                                 for x in (tokens, lengths, dest, src)),
-                *settings.arrays(self._global), self._stop_table)
+                *settings.arrays(self._global), self._stops())
         t0 = time.perf_counter()
         k, v, tok_B, lp_B, stop_B = self._program(self._prefill, static, args)
         self._pool = (k, v)
@@ -538,11 +569,14 @@ class Engine(Generator):
         g = self._global
         args = (params, k, v, g(table.reshape(-1, width)),
                 *(g(x.reshape(-1)) for x in state), g(active_B.reshape(-1)),
-                *settings.arrays(g), self._stop_table, np.int32(longest), np.int32(refill),
+                *settings.arrays(g), self._stops(), np.int32(longest), np.int32(refill),
                 np.int32(halve))
         t0 = time.perf_counter()
-        k, v, out_BxC, lp_BxC, emitted_B, stopped_B, steps = self._program(self._chunk, static, args)
+        k, v, out_BxC, lp_BxC, emitted_B, stopped_B, steps, *routes_out = self._program(
+            self._chunk, static, args)
         self._pool = (k, v)
+        routes = _local(routes_out[0]).reshape(len(shards), n, *routes_out[0].shape[1:]) \
+            if routes_out else None
         out, lp = (_local(x).reshape(len(shards), n, -1) for x in (out_BxC, lp_BxC))
         emitted, stopped = (_local(x).reshape(len(shards), n) for x in (emitted_B, stopped_B))
         steps = int(steps)
@@ -554,6 +588,10 @@ class Engine(Generator):
             for i, live in enumerate(list(shard.rows)):
                 e = int(emitted[d, i])
                 self.stats["live_row_steps"] += e
+                if routes is not None:  # the fed tokens: tokens[-1] and all but the last new one
+                    fill = np.full(self.routes_shape, -1, np.int16)
+                    live.routes += [fill] * (len(live.tokens) - 1 - len(live.routes))
+                    live.routes += list(routes[d, i, :e])
                 live.tokens += out[d, i, :e].tolist()
                 live.logprobs += lp[d, i, :e].tolist()
                 live.length += e
@@ -578,11 +616,17 @@ class Engine(Generator):
             return (step < steps) & (jnp.sum(per_shard) > refill) & (jnp.max(per_shard) > halve)
 
         def body(state):
-            step, k, v, last_B, lengths_B, drawn_B, left_B, active_B, out_BxC, lp_BxC, emitted_B, stopped_B = state
+            (step, k, v, last_B, lengths_B, drawn_B, left_B, active_B, out_BxC, lp_BxC,
+             emitted_B, stopped_B, *routes_out) = state
             live = jnp.minimum((longest + step) // self.block + 1, width)
             cache = PagedKV(k, v, table_BxI, lengths_B, live)
-            hidden_Bx1xD, cache = self.spec.hidden(params, last_B[:, None], lengths_B[:, None],
-                                                   ones_Bx1, cache)
+            with moe.chosen_experts() if routes_out else contextlib.nullcontext([]) as chosen:
+                hidden_Bx1xD, cache = self.spec.hidden(params, last_B[:, None], lengths_B[:, None],
+                                                       ones_Bx1, cache)
+            if routes_out:  # S x B x 1 x k: the experts of the token fed at this step
+                fed = jnp.moveaxis(chosen[0][:, :, 0], 0, 1).astype(jnp.int16)
+                routes_out = [routes_out[0].at[:, step].set(
+                    jnp.where(active_B[:, None, None], fed, -1))]
             logits_BxV = self.spec.logits(params, hidden_Bx1xD[:, 0])
             tok_B, lp_B = sample_rows(logits_BxV, jax.vmap(jax.random.fold_in)(keys_B, drawn_B),
                                       temperature_B, top_k_B, top_p_B, sampled, truncate)
@@ -594,16 +638,27 @@ class Engine(Generator):
             return (step + 1, cache.k, cache.v, jnp.where(active_B, tok_B, last_B),
                     lengths_B + step_B, drawn_B + step_B, left_B,
                     active_B & ~stop_B & (left_B > 0), out_BxC, lp_BxC, emitted_B + step_B,
-                    stopped_B | stop_B)
+                    stopped_B | stop_B, *routes_out)
 
         init = (jnp.int32(0), k_pool, v_pool, last_B, lengths_B, drawn_B, left_B, active_B,
                 jnp.full((b, steps), self.pad_id, jnp.int32), jnp.zeros((b, steps), jnp.float32),
                 jnp.zeros(b, jnp.int32), jnp.zeros(b, bool))
+        if self.routes_shape is not None:
+            init += (jnp.full((b, steps, *self.routes_shape), -1, jnp.int16),)
         state = jax.lax.while_loop(cond, body, init)
         step, k_pool, v_pool = state[:3]
-        return k_pool, v_pool, state[8], state[9], state[10], state[11], step
+        return (k_pool, v_pool, state[8], state[9], state[10], state[11], step, *state[12:])
 
     # ------------------------------------------------------------------ helpers
+
+    def _routes(self, live: _Live) -> np.ndarray | None:
+        """A finished request's recorded experts, one entry per token (-1: none)."""
+        if self.routes_shape is None:
+            return None
+        out = np.full((len(live.tokens), *self.routes_shape), -1, np.int16)
+        if live.routes:
+            out[:len(live.routes)] = np.stack(live.routes)[:len(live.tokens)]
+        return out
 
     def _stop_set(self, r: Request | None) -> int:
         """Index of the request's stop ids in the device table (V flags per set); None:
@@ -611,12 +666,19 @@ class Engine(Generator):
         ids = self.stop_ids if r is None or r.stop_ids is None else tuple(sorted(set(r.stop_ids)))
         if ids not in self._stop_sets:
             self._stop_sets[ids] = len(self._stop_sets)
+            self._stop_table = None  # rebuilt on the next call (`_stops`)
+        return self._stop_sets[ids]
+
+    def _stops(self) -> jax.Array:
+        """The stop sets as a device table, built when first needed (a built engine holds
+        no device memory until it generates: the memory plan's check precedes it)."""
+        if self._stop_table is None:
             sets = sorted(self._stop_sets, key=self._stop_sets.get)
             table = np.zeros((bucket(len(sets)), self.spec.cfg.vocab_size), bool)
             for j, s in enumerate(sets):
                 table[j, list(s)] = True
             self._stop_table = jax.device_put(table, replicated(self.mesh))
-        return self._stop_sets[ids]
+        return self._stop_table
 
     def _key(self, fn, static, args) -> tuple:
         shapes = tuple(tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(args[1:]))

@@ -118,11 +118,17 @@ class RolloutEngine:
         tokens_BxN = np.full((len(done), n), self.sampler.pad_id, np.int32)
         logprobs_BxN = np.zeros((len(done), n), np.float32)
         lengths_B = np.zeros(len(done), np.int32)
+        recorded = done and done[0].routes is not None
+        routes = (np.full((len(done), n, *done[0].routes.shape[1:]), -1, np.int16)
+                  if recorded else None)
         for b, c in enumerate(done):
             tokens_BxN[b, :len(c.tokens)], logprobs_BxN[b, :len(c.tokens)] = c.tokens, c.logprobs
             lengths_B[b] = len(c.tokens)
+            if recorded:
+                routes[b, :len(c.tokens)] = c.routes
         put = functools.partial(jax.make_array_from_process_local_data, self.sampler.rows)
-        return Rollout(put(tokens_BxN), put(lengths_B), put(logprobs_BxN))
+        return Rollout(put(tokens_BxN), put(lengths_B), put(logprobs_BxN),
+                       put(routes) if recorded else None)
 
     def _prompts(self, tokens: list[list[int]]) -> tuple[jax.Array, jax.Array]:
         """(prompts right-padded to the prompt width B x W, their lengths B), row-sharded."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import resource
 import signal
 import time
@@ -24,7 +25,7 @@ import yaml
 
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
-from gpurl.config import Config, ConfigError
+from gpurl.config import Config, ConfigError, ModelConfig
 from gpurl.config_dicts import to_dict, upgrade
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import batch_divisor, trainer_mesh
@@ -72,6 +73,25 @@ def _check_batch(cfg: Config, divisor: int) -> None:
             f"the micro-batch ({micro} rows) and train.eval_batch_size "
             f"({cfg.train.eval_batch_size}) must be multiples of the {divisor} batch shards "
             f"of the mesh; change train.batch_size/micro_batch_size or mesh.data/mesh.fsdp.")
+
+
+def _router_defaults(model: ModelConfig, algorithm: registry.Algorithm) -> ModelConfig:
+    """The algorithm's load-balancing coefficient where model.moe.aux_loss_coef is null."""
+    if model.moe.aux_loss_coef is not None:
+        return model
+    return dataclasses.replace(model, moe=dataclasses.replace(
+        model.moe, aux_loss_coef=algorithm.router_aux_loss if model.moe.num_experts else 0.0))
+
+
+def _check_experts(model: ModelConfig, mesh: Any, rules: Any) -> None:
+    """Experts split evenly over the mesh axes the `expert` rule maps them to."""
+    axes = [a for a in rules.get("expert", ()) if mesh.shape[a] > 1]
+    size = math.prod(mesh.shape[a] for a in axes)
+    if model.moe.num_experts and model.moe.num_experts % size:
+        raise ConfigError(
+            f"model.moe.num_experts={model.moe.num_experts} does not split over the "
+            f"{size} devices of mesh axes {'x'.join(axes)}; choose mesh.expert dividing "
+            f"{model.moe.num_experts}.")
 
 
 def _prepare_run_dir(run_dir: Path, cfg: Config, resuming: bool, sink_msg) -> None:
@@ -160,7 +180,8 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
     stepper_cls = STEPPERS[algorithm.family]
     mesh = trainer_mesh(cfg.mesh, stepper_cls.trainer_devices(cfg.mesh))
     _check_batch(cfg, batch_divisor(mesh, cfg.mesh.train_rules))
-    model_cfg = loading.resolve(cfg.model)
+    model_cfg = _router_defaults(loading.resolve(cfg.model), algorithm)
+    _check_experts(model_cfg, mesh, cfg.mesh.train_rules)
     cfg = dataclasses.replace(cfg, model=model_cfg)  # config.yaml records the real architecture
     spec = algorithm.model(cfg.algo, model_cfg)
     objective = algorithm.objective(cfg.algo, cfg.rollout)

@@ -73,11 +73,11 @@ class PreferenceStepper(Stepper):
         # step 0 DPO's implicit rewards are exactly 0; a reward model on its own loss.
         self.pair_loss = (setup.objective.pair_loss
                           if isinstance(setup.objective, PairObjective) else None)
-        self._logps = jit_rows(functools.partial(sequence_logps, spec.policy), place.batch,
+        self._logps = jit_rows(functools.partial(sequence_logps, spec.policy), place,
                                in_shardings=(place.state.params, place.batch),
                                out_shardings=place.batch) if spec.policy is not None else None
         self._ref_cache: dict[int, jax.Array] = {}
-        self._metrics = jit_rows(self._eval_metrics, place.batch,
+        self._metrics = jit_rows(self._eval_metrics, place,
                                  out_shardings=replicated(place.mesh))
         self.task = (_TaskEval(setup, data, rollout, mesh, rewards, self.evals.rows, train)
                      if self.evals is not None and spec.policy is not None

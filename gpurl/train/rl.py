@@ -102,7 +102,7 @@ class RLStepper(Stepper):
         self.carry = {k: jnp.float32(v) for k, v in setup.algorithm.carry(algo).items()}
         self._timer: DeviceTimer | None = None
         ctx = RLContext(spec, rollout.temperature, self.reward_spec)
-        self._prepare = jit_rows(functools.partial(self._prepare_fn, ctx), place.batch,
+        self._prepare = jit_rows(functools.partial(self._prepare_fn, ctx), place,
                                  out_shardings=(place.batch, replicated(place.mesh),
                                                replicated(place.mesh)))
 
@@ -131,6 +131,9 @@ class RLStepper(Stepper):
         collected = {"prompt_tokens": sds((p, w), i32), "prompt_lengths": sds((p,), i32),
                      "completions": sds((p, g, n), i32), "completion_lengths": sds((p, g), i32),
                      "comp_mask": sds((p, g, n), f32), "sampler_logprobs": sds((p, g, n), f32)}
+        replayed = self.engine.sampler.routes_shape
+        if replayed is not None:  # routing replay: the sampler's experts per token
+            collected["routes"] = sds((p, g, n, *replayed), jnp.int16)
         params = self.setup.place.abstract_state.params
         ref = self.setup.spec.policy_params(params) if self.own_ref else None
         rm = self.reward_spec.abstract_params if self.reward_spec is not None else None

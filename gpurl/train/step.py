@@ -18,10 +18,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.algorithms.objective import Batch, Objective
 from gpurl.distributed.mesh import Rules, batch_sharding, replicated, tree_shardings
-from gpurl.models import lora
+from gpurl.models import lora, moe
 from gpurl.models.paths import param_path
 from gpurl.models.spec import ModelSpec, Params
-from gpurl.models.transformer import sharded_rows
+from gpurl.models.layers import sharded_rows
 from gpurl.train.optim import trainable
 
 
@@ -56,6 +56,7 @@ class Placement:
     # bools over the params: True for the frozen base of a LoRA run, which is never
     # trained or checkpointed (rebuilt from the model's checkpoint or seed); None = no LoRA
     frozen: Any = None
+    rules: Rules | None = None  # how the parameters were placed (logical axis -> mesh axes)
 
 
 def checkpointed(place: Placement, tree: TrainState) -> TrainState:
@@ -99,7 +100,7 @@ def placement(spec: ModelSpec, optimizer: optax.GradientTransformation, mesh: Me
                           opt_state=jax.tree_util.tree_map_with_path(follow, abstract.opt_state),
                           rng=replicated(mesh))
     frozen = lora.frozen_base(abstract.params) if lora.has_adapters(abstract.params) else None
-    return Placement(mesh, state_sh, batch_sharding(mesh, rules), abstract, frozen)
+    return Placement(mesh, state_sh, batch_sharding(mesh, rules), abstract, frozen, rules)
 
 
 def _split_micro(batch: Batch, num_micro: int, rows: NamedSharding) -> Batch:
@@ -131,9 +132,16 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
     frozen_p = jax.tree.map(lambda p, t: None if t else p, params, trainable)
     train_sh = jax.tree.map(lambda s, t: s if t else None, place.state.params, trainable)
 
+    # the decoder's config: a language model's or reward model's own, PPO's policy's
+    experts = (spec.cfg if hasattr(spec, "cfg") else spec.policy.cfg).moe
+
     def loss_of_trainable(train_p, micro: Batch):
         full = jax.tree.map(lambda a, b: b if a is None else a, train_p, frozen_p, is_leaf=is_none)
-        return objective.loss(spec, full, micro, norm)
+        if not experts.num_experts:
+            return objective.loss(spec, full, micro, norm)
+        with moe.collect() as found:  # the router terms of the forward passes of this loss
+            loss, metrics = objective.loss(spec, full, micro, norm)
+        return moe.add_router_terms(loss, metrics, found, experts, 1.0 / num_micro)
 
     grad_fn = jax.value_and_grad(loss_of_trainable, has_aux=True)
 
@@ -153,12 +161,12 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
     return grads, jax.tree.map(lambda m: m.sum(0), metrics_M)
 
 
-def jit_rows(fn: Callable, rows: NamedSharding, **jit_kwargs: Any) -> Any:
-    """`jax.jit(fn)` whose model activations keep their rows sharded like the batch `rows`
-    (`gpurl.models.transformer.sharded_rows`): with FSDP, XLA then gathers the weights
-    rather than the activations."""
+def jit_rows(fn: Callable, place: Placement, **jit_kwargs: Any) -> Any:
+    """`jax.jit(fn)` whose model activations keep their rows sharded like the batch
+    (`gpurl.models.layers.sharded_rows`): with FSDP, XLA then gathers the weights rather
+    than the activations; mixture-of-experts layers run their experts where they live."""
     def traced(*args: Any) -> Any:
-        with sharded_rows(rows):
+        with sharded_rows(place.batch, place.rules):
             return fn(*args)
 
     return jax.jit(traced, **jit_kwargs)
@@ -218,7 +226,7 @@ def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.Grad
                                rng=jax.random.key_data(key))
         return new_state, metrics
 
-    return Program(jit_rows(step, place.batch, in_shardings=(place.state, place.batch),
+    return Program(jit_rows(step, place, in_shardings=(place.state, place.batch),
                             out_shardings=(place.state, replicated(place.mesh)), donate_argnums=0))
 
 
@@ -228,7 +236,7 @@ def make_eval_step(spec: ModelSpec, objective: Objective, place: Placement) -> C
         _, metrics = objective.loss(spec, params, batch, jnp.float32(1.0))
         return metrics
 
-    return jit_rows(step, place.batch, in_shardings=(place.state.params, place.batch),
+    return jit_rows(step, place, in_shardings=(place.state.params, place.batch),
                     out_shardings=replicated(place.mesh))
 
 

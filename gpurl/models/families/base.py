@@ -39,6 +39,7 @@ class HFFamily:
     export_keys: dict[str, Any] = field(default_factory=dict)  # config.json keys only this family writes
     activation_aliases: dict[str, str] = field(default_factory=dict)  # activation names the class reads as others
     classifier: str | None = None  # ...ForSequenceClassification class; None: from `architecture`
+    moe: bool = False  # MLPs are mixtures of experts (num_experts, moe_intermediate_size, ...)
 
     @property
     def classifier_architecture(self) -> str:

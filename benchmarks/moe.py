@@ -1,0 +1,159 @@
+"""Mixture-of-experts: train-step throughput against the dense model of the same active
+size, the grouped matmul's implementations, and routing replay's effect on the
+sampler-vs-trainer log-prob gap in bf16.
+
+    python benchmarks/moe.py steps --repeats 5 --json moe_steps.json   # ~3 min on 2 cores
+    python benchmarks/moe.py replay --steps 4 --json moe_replay.json   # ~2 min
+
+`steps`: one SFT train step (forward, next-token loss, backward; no optimizer) of a small
+decoder whose MLPs are 16 experts of width 256 with 2 per token (active MLP width 512)
+beside the same decoder with a dense MLP of width 512 (same active parameters), random
+weights, fp32 on CPU (the compute dtype gpurl picks there), interleaved, median of the
+timed steps after one warm-up. `replay`: `gpurl train algo=grpo model=tiny_moe` in bf16
+with model.moe.replay_routing off and on (same seed, so the same first rollout), the
+trainer-minus-sampler log-prob gap of the sampled tokens (`sampler/logprob_gap`) and the
+share of replayed expert choices the trainer's router would have made otherwise
+(`moe/replay_flips`), per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from gpurl.config import ModelConfig, MoEConfig
+from gpurl.models import model_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = dict(family="qwen3_moe", vocab_size=4096, d_model=256, num_layers=4, num_heads=4,
+            num_kv_heads=2, head_dim=64, activation="silu", norm_plus_one=False,
+            scale_embeddings=False, qk_norm=True, tie_embeddings=True, dtype="float32",
+            remat="none")
+
+
+def _models(experts: int, top_k: int, expert_width: int) -> dict[str, ModelConfig]:
+    active = top_k * expert_width
+    moe = ModelConfig(**BASE, mlp_dim=active,
+                      moe=MoEConfig(num_experts=experts, experts_per_token=top_k,
+                                    expert_mlp_dim=expert_width, aux_loss_coef=0.0))
+    return {f"moe {experts}x{expert_width} top-{top_k} (tiled)": moe,
+            f"moe {experts}x{expert_width} top-{top_k} (ragged_dot)": dataclasses.replace(
+                moe, moe=dataclasses.replace(moe.moe, grouped_matmul="ragged")),
+            f"dense mlp {active}": dataclasses.replace(moe, family="qwen3", moe=MoEConfig())}
+
+
+def _step(cfg: ModelConfig, batch: int, seq: int):
+    spec = model_spec(cfg)
+    params = jax.jit(lambda: spec.init(0))()
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    segments = jnp.ones((batch, seq), jnp.int32)
+
+    def loss(p):
+        logits = spec.apply(p, tokens, positions, segments)[:, :-1].astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, -1)
+        return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
+
+    grad = jax.jit(jax.value_and_grad(loss))
+    return lambda: jax.block_until_ready(grad(params))
+
+
+def run_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
+    configs = _models(args.experts, args.top_k, args.expert_width)
+    steps = {}
+    for name, cfg in configs.items():
+        t0 = time.perf_counter()
+        steps[name] = _step(cfg, args.batch, args.seq)
+        steps[name]()
+        print(f"compiled {name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    for _ in range(args.repeats):  # interleaved
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    tokens = args.batch * args.seq
+    dense = statistics.median(times[next(n for n in times if n.startswith("dense"))])
+    rows = []
+    for name, ts in times.items():
+        s = statistics.median(ts)
+        rows.append({"model": name, "step_s": s, "tokens_per_s": tokens / s, "vs_dense": dense / s})
+    print(f"\n| model ({args.batch} x {args.seq} tokens, fp32) | step s | tokens/s | vs dense |")
+    print("| --- | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['model']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['vs_dense']:.2f} |")
+    return rows
+
+
+def _grpo(replay: bool, steps: int, out: Path) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    cmd = [sys.executable, "-m", "gpurl.cli", "train", "algo=grpo", "model=tiny_moe",
+           "model.dtype=bfloat16", "model.init_std=0.1", f"model.moe.replay_routing={replay}",
+           f"train.steps={steps}", "train.batch_size=4", "train.eval_every=0",
+           "train.checkpoint_every=0", "data.num_train=64", "data.num_eval=0",
+           "rollout.max_new_tokens=32", "logger.progress=false", f"run.dir={out}"]
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_replay(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for replay in (False, True):
+            for r in _grpo(replay, args.steps, Path(tmp) / str(replay)):
+                if "sampler/logprob_gap" in r:
+                    rows.append({"replay": replay, "step": r["step"],
+                                 "gap": r["sampler/logprob_gap"],
+                                 "flips": r.get("moe/replay_flips")})
+    print("\n| routing replay | step | mean abs(trainer - sampler log-prob) | replayed choices the trainer would flip |")
+    print("| --- | ---: | ---: | ---: |")
+    for r in rows:
+        flips = "-" if r["flips"] is None else f"{r['flips']:.4f}"
+        print(f"| {'on' if r['replay'] else 'off'} | {r['step']} | {r['gap']:.5f} | {flips} |")
+    for replay in (False, True):
+        gaps = [r["gap"] for r in rows if r["replay"] == replay]
+        print(f"median gap, replay {'on' if replay else 'off'}: {statistics.median(gaps):.5f}")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    steps = sub.add_parser("steps")
+    steps.add_argument("--experts", type=int, default=16)
+    steps.add_argument("--top-k", type=int, default=2)
+    steps.add_argument("--expert-width", type=int, default=256)
+    steps.add_argument("--batch", type=int, default=4)
+    steps.add_argument("--seq", type=int, default=256)
+    steps.add_argument("--repeats", type=int, default=5)
+    replay = sub.add_parser("replay")
+    replay.add_argument("--steps", type=int, default=4)
+    for p in (steps, replay):
+        p.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    rows = run_steps(args) if args.what == "steps" else run_replay(args)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "rows": rows, "args": {k: str(v) for k, v in vars(args).items()},
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                       f"jax {jax.__version__} ({jax.default_backend()})",
+            "date": datetime.date.today().isoformat()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
