@@ -342,9 +342,10 @@ class MoEConfig:
     # the train step routes completion tokens to the experts the sampler chose for them
     # (so it scores the policy that sampled); prompt tokens route as usual
     replay_routing: bool = False
-    # expert parallelism: a device runs at most this many times its even share of its expert
-    # group's token copies and drops the rest (GShard / Switch Transformer capacity; dropped
-    # copies add nothing, logged as moe/dropped); 0 = never drop (buffers for every copy)
+    # training's expert parallelism: a device runs at most this many times its even share of
+    # its expert group's token copies and drops the rest, its highest experts' first (GShard /
+    # Switch Transformer capacity; dropped copies add nothing, logged as moe/dropped);
+    # 0 = never drop (buffers for every copy); sampling never drops
     capacity_factor: float = 0.0
     # the experts' grouped matmul: auto (ragged on GPU, tiled on CPU), ragged (jax.lax.ragged_dot),
     # tiled (jnp: tokens sorted by expert in fixed-size tiles, one expert per tile)

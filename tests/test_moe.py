@@ -298,8 +298,10 @@ ALGOS = {  # algo fields, data
 
 
 @pytest.mark.e2e
-# plain GRPO on the MoE model: test_grpo.py's reward-rise run
-@pytest.mark.parametrize("name, lora", [(n, False) for n in ALGOS if n != "grpo"] + [("grpo", True)])
+# plain GRPO on the MoE model: test_grpo.py's reward-rise run; SFT's loss and gradients:
+# test_expert_parallel_equals_one_device_in_loss_and_gradients (its loop: GRPO's)
+@pytest.mark.parametrize("name, lora", [(n, False) for n in ALGOS if n not in ("grpo", "sft")]
+                         + [("grpo", True)])
 def test_every_algorithm_and_lora_train_the_moe_model_expert_parallel(tmp_path, name, lora):
     algo, data = ALGOS[name]
     model = dict(TINY_MOE, lora=LoraConfig(rank=4)) if lora else TINY_MOE
@@ -318,5 +320,18 @@ def test_every_algorithm_and_lora_train_the_moe_model_expert_parallel(tmp_path, 
     assert np.isfinite(last["loss"]) and last["grad_norm"] > 0, last
     assert 1.0 <= last["moe/load_max"] <= 2.0  # at most 4 experts / 2 per token
     written = (tmp_path / "run" / "config.yaml").read_text()
-    # load balancing on by default for SFT only (registry: router_aux_loss)
-    assert f"aux_loss_coef: {0.001 if name == 'sft' else 0.0}" in written
+    # load balancing off by default outside SFT (registry: router_aux_loss)
+    assert "aux_loss_coef: 0.0" in written
+
+
+def test_load_balancing_defaults_follow_the_algorithm():
+    """null model.moe.aux_loss_coef: 0.001 for SFT, 0 for RL and preference learning; a
+    value set is kept; a dense model gets 0."""
+    cfg = _moe_sft_config({"data": 1}).model
+    unset = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, aux_loss_coef=None))
+    coef = {name: loop._router_defaults(unset, registry.get(name)).moe.aux_loss_coef
+            for name in ("sft", "grpo", "ppo", "dpo", "rm")}
+    assert coef == {"sft": 0.001, "grpo": 0.0, "ppo": 0.0, "dpo": 0.0, "rm": 0.0}
+    assert loop._router_defaults(cfg, registry.get("grpo")).moe.aux_loss_coef == 0.01
+    dense = dataclasses.replace(unset, moe=dataclasses.replace(unset.moe, num_experts=0))
+    assert loop._router_defaults(dense, registry.get("sft")).moe.aux_loss_coef == 0.0

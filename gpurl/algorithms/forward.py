@@ -48,9 +48,9 @@ def group_states(spec: Any, params: Any, batch: Batch, replay: bool = True) -> j
 
     Batch keys: prompt_tokens (P x W, right-padded), prompt_lengths (P), completions
     (P x G x N), completion_lengths (P x G); with routing replay (and `replay`: the
-    policy's forward, not a critic's) routes (P x G x N x S x k, the experts the sampler
-    chose for each completion token in each of the S sparse layers, -1 where it did not
-    record one), which the completion tokens are routed to."""
+    policy's forward, not a critic's or the reference's) routes (P x G x N x L x k, the
+    experts the sampler chose for each completion token in each of the L sparse layers, -1
+    where it did not record one), which the completion tokens are routed to."""
     prompt_PxW, plen_P = batch["prompt_tokens"], batch["prompt_lengths"]
     comp_PxGxN = batch["completions"]
     p, g, n = comp_PxGxN.shape
@@ -63,7 +63,7 @@ def group_states(spec: Any, params: Any, batch: Batch, replay: bool = True) -> j
     pos_BxN = jnp.repeat(plen_P, g)[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
     seg_BxN = (jnp.arange(n)[None] < batch["completion_lengths"].reshape(-1, 1)).astype(jnp.int32)
     routes = batch.get("routes") if replay else None
-    if routes is not None:  # P x G x N x S x k -> S x B x N x k
+    if routes is not None:  # P x G x N x L x k -> L x B x N x k
         routes = jnp.moveaxis(routes.reshape(p * g, n, *routes.shape[3:]), 2, 0)
     hidden_BxNxD, _ = spec.hidden(params, comp_BxN, pos_BxN, seg_BxN, prompt, routes)
     return jnp.concatenate([jnp.repeat(last_PxD, g, axis=0)[:, None], hidden_BxNxD], axis=1)
@@ -83,10 +83,12 @@ def states_logprobs(spec: Any, params: Any, states_BxN1xD: jax.Array, batch: Bat
 
 
 def group_logprobs(spec: Any, params: Any, batch: Batch, temperature: float = 1.0,
-                   chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+                   chunk_size: int | None = None, replay: bool = True
+                   ) -> tuple[jax.Array, jax.Array]:
     """(log p, entropy) of every completion token, P x G x N fp32 (`group_states`, then
-    the head on the states that predict completion tokens)."""
-    states = group_states(spec, params, batch)
+    the head on the states that predict completion tokens); `replay`: route completion
+    tokens as the sampler did (routing replay; the frozen reference routes on its own)."""
+    states = group_states(spec, params, batch, replay)
     return states_logprobs(spec, params, states, batch, temperature, chunk_size)
 
 

@@ -51,7 +51,7 @@ def prepare(cfg: GRPOConfig, ctx: RLContext, x: RLInputs) -> tuple[Batch, dict, 
     temp, group = ctx.temperature, batch["completions"].shape[1]
     out, metrics, rewards_B = dict(batch), {}, x.rewards
     if x.ref_params is not None:
-        out["ref_logprobs"] = group_logprobs(policy, x.ref_params, batch, temp)[0]
+        out["ref_logprobs"] = group_logprobs(policy, x.ref_params, batch, temp, replay=False)[0]
     if cfg.num_iterations > 1 or cfg.tis_cap is not None:
         out["old_logprobs"] = group_logprobs(policy, params, batch, temp)[0]
     if ctx.reward_model is not None:

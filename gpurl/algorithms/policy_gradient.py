@@ -183,8 +183,8 @@ def policy_loss(cfg: PolicyGradientConfig, logp_BxT: jax.Array, batch: Batch, no
     clipped = (ratio_BxT < 1 - cfg.epsilon) | (ratio_BxT > 1 + cfg.clip_high)
     metrics.update(loss=loss, clip_fraction=(clipped * mask_BxT).sum() / norm["tokens"],
                    tokens=mask_BxT.sum())
-    if "sampler_logprobs" in batch:  # the train/inference mismatch (first iteration)
-        gap_BxT = jnp.abs(jax.lax.stop_gradient(logp_BxT) - batch["sampler_logprobs"])
+    if "sampler_logprobs" in batch:  # the train/inference mismatch: the policy that sampled
+        gap_BxT = jnp.abs(jax.lax.stop_gradient(old_BxT) - batch["sampler_logprobs"])
         metrics["sampler/logprob_gap"] = (gap_BxT * mask_BxT).sum() / norm["tokens"]
     return loss, metrics
 

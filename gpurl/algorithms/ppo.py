@@ -110,7 +110,8 @@ def prepare(cfg: PPOConfig, ctx: RLContext, x: RLInputs) -> tuple[Batch, dict, d
     out, stats, scores_B = dict(batch), {}, x.rewards
     kl_BxN = jnp.zeros_like(old_BxN)
     if x.ref_params is not None:
-        ref_BxN = group_logprobs(spec.policy, x.ref_params, batch, ctx.temperature)[0].reshape(-1, n)
+        ref_BxN = group_logprobs(spec.policy, x.ref_params, batch, ctx.temperature,
+                                 replay=False)[0].reshape(-1, n)
         out["ref_logprobs"] = ref_BxN.reshape(p, g, n)
         kl_BxN = kl_estimate(old_BxN, ref_BxN, cfg.kl_estimator) * mask_BxN
     if ctx.reward_model is not None:

@@ -1,6 +1,6 @@
 """Mixture-of-experts MLP (Qwen3-MoE, HF `Qwen3MoeSparseMoeBlock`) and its router terms.
 
-A router (D x X) scores the X experts of every token; the token goes to its top-k
+A router (D x O) scores the O experts of every token; the token goes to its top-k
 experts by softmax probability (renormalized over the k when `norm_topk_prob`), and its
 output is the probability-weighted sum of those experts' SwiGLU MLPs. Experts run as a
 grouped matmul over the token copies sorted by expert (`gpurl.kernels.grouped_matmul`),
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from gpurl.config import ModelConfig, MoEConfig
+from gpurl.config import ConfigError, ModelConfig, MoEConfig
 from gpurl.distributed.mesh import logical_spec
 from gpurl.kernels.grouped_matmul import grouped_matmul, resolve, tile_layout, tiled_matmul
 from gpurl.models.layers import ACTIVATIONS, Layout, layout, param
@@ -58,6 +58,8 @@ class RouterStats:
 
 
 class MoE(nnx.Module):
+    """Router (D x O), and gate and up (O x D x F) and down (O x F x D) expert weights."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         moe, pd = cfg.moe, cfg.param_dtype
         d, o, f = cfg.d_model, moe.num_experts, moe.expert_mlp_dim
@@ -119,25 +121,28 @@ class _Experts:
 
     def local(self, x_flat: jax.Array, chosen: jax.Array, gates: jax.Array,
               gate: jax.Array, up: jax.Array, down: jax.Array, first: jax.Array | int,
-              experts: int) -> tuple[jax.Array, jax.Array]:
+              experts: int, capacity: float) -> tuple[jax.Array, jax.Array]:
         """(tokens x D fp32: the share of experts first .. first + O_local - 1 (the
         weights' leading dimension) of `experts` in the output of every token, copies
-        dropped past the capacity). `x_flat` is tokens x D, `chosen` and `gates` tokens x
-        k: each token goes to k experts as k copies."""
+        dropped past `capacity` x this device's even share). `x_flat` is tokens x D,
+        `chosen` and `gates` tokens x k: each token goes to k experts as k copies. Past the
+        capacity, the copies of the highest local experts are dropped first (the buffer is
+        per device, not per expert)."""
         n, k = chosen.shape
         count = gate.shape[0]
-        local = chosen.reshape(-1) - first  # per token copy
-        key = jnp.where((local >= 0) & (local < count), local, count)  # other experts last
+        local = chosen.reshape(-1) - first
+        # copies for other devices' experts (and padding, -1) sort last and join no group
+        key = jnp.where((local >= 0) & (local < count), local, count)
         order = jnp.argsort(key, stable=True)
         sizes_O = jnp.zeros(count, jnp.int32).at[key].add(1, mode="drop")
         rows = n * k
-        if self.capacity and count < experts:  # this device's buffer: its share x the factor
-            rows = min(rows, -(-int(math.ceil(self.capacity * n * k * count / experts)) // 8) * 8)
+        if capacity and count < experts:  # this device's buffer: its share x the factor
+            rows = min(rows, -(-int(math.ceil(capacity * n * k * count / experts)) // 8) * 8)
             order = order[:rows]
         kept = jnp.minimum(jnp.cumsum(sizes_O), rows)
         dropped = (sizes_O.sum() - kept[-1]).astype(jnp.float32)
         sizes_O = kept - jnp.concatenate([jnp.zeros(1, kept.dtype), kept[:-1]])
-        token = order // k  # of each sorted copy
+        token = order // k
         gate_weight = gates.reshape(-1)[order]
         dt = x_flat.dtype
         gate, up, down = (w.astype(dt) for w in (gate, up, down))
@@ -162,35 +167,46 @@ class _Experts:
 
     def parallel(self, x_BxTxD: jax.Array, top_experts: jax.Array, top_weights: jax.Array,
                  weights: tuple[jax.Array, jax.Array, jax.Array], where: Layout | None
-                 ) -> jax.Array:
+                 ) -> tuple[jax.Array, jax.Array]:
         """(output B x T x D, token copies dropped over the capacity, all devices)."""
         b, t, d = x_BxTxD.shape
         experts = weights[0].shape[0]
-        if where is None or where.rules is None or where.rows.mesh.size == 1:
+        mesh = None if where is None or where.rules is None else where.rows.mesh
+        row_axes = () if mesh is None else _names(where.rows.spec[0] if where.rows.spec else None)
+        if mesh is None or mesh.size == 1 or b % math.prod(mesh.shape[a] for a in row_axes):
+            # no layout, one device, or rows that do not split over the shards (XLA then
+            # runs every token on every device)
             out, dropped = self.local(x_BxTxD.reshape(b * t, d), top_experts.reshape(b * t, -1),
-                                      top_weights.reshape(b * t, -1), *weights, 0, experts)
+                                      top_weights.reshape(b * t, -1), *weights, 0, experts, 0.0)
             return out.reshape(b, t, d).astype(x_BxTxD.dtype), dropped
-        mesh, rules = where.rows.mesh, where.rules
-        row_axes = _names(where.rows.spec[0] if where.rows.spec else None)
-        if b % math.prod(mesh.shape[a] for a in row_axes):  # e.g. fewer prompts than shards
-            row_axes = ()
+        rules = where.rules
         in_spec, out_spec = (logical_spec(IN_AXES, weights[0].shape, rules, mesh),
                              logical_spec(OUT_AXES, weights[2].shape, rules, mesh))
         expert_axes, embed_axes, mlp_axes = (_names(s) for s in in_spec)
+        down_mlp_axes, down_embed_axes = _names(out_spec[1]), _names(out_spec[2])
+        if set(mlp_axes + down_mlp_axes) & set(row_axes) or down_mlp_axes != mlp_axes:
+            raise ConfigError(
+                f"the expert_mlp rule maps experts' hidden width to mesh axes {mlp_axes or down_mlp_axes} "
+                f"that also split batch rows ({row_axes}) or differ between the expert weights; "
+                f"map expert_mlp to tp (mesh.train_rules / mesh.sample_rules).")
         dispatch = tuple(a for a in expert_axes if a in row_axes)  # gather / scatter tokens
         summed = tuple(a for a in expert_axes if a not in row_axes) + mlp_axes
+        # capacity bounds a dispatching device's buffer (training's expert axis); sampling's
+        # experts split over tp see the tokens they already hold and never drop
+        capacity = self.capacity if dispatch else 0.0
 
         def body(x_BxTxD, top_experts, top_weights, gate, up, down):
             if embed_axes:  # FSDP: the whole embedding dimension of this device's experts
                 gate, up = (jax.lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (gate, up))
-                down = jax.lax.all_gather(down, embed_axes, axis=2, tiled=True)
+            if down_embed_axes:
+                down = jax.lax.all_gather(down, down_embed_axes, axis=2, tiled=True)
             bl = x_BxTxD.shape[0]
             tokens = (x_BxTxD.reshape(bl * t, d), top_experts.reshape(bl * t, -1),
                       top_weights.reshape(bl * t, -1))
             if dispatch:
                 tokens = tuple(jax.lax.all_gather(a, dispatch, axis=0, tiled=True) for a in tokens)
             first = jax.lax.axis_index(expert_axes) * gate.shape[0] if expert_axes else 0
-            out, dropped = self.local(*tokens, gate, up, down, first, experts)
+            out, dropped = self.local(*tokens, gate, up, down, first, experts, capacity)
             if summed:
                 out = jax.lax.psum(out, summed)
             if dispatch:
@@ -233,6 +249,7 @@ def collect() -> Iterator[list[RouterStats]]:
 
 
 def record(stats: RouterStats) -> None:
+    """Adds a forward pass's router stats to the innermost `collect` block, if any."""
     found = _COLLECTED.get()
     if found is not None:
         found.append(stats)
@@ -246,6 +263,7 @@ _CHOSEN: contextvars.ContextVar[list | None] = contextvars.ContextVar("chosen_ex
 
 @contextlib.contextmanager
 def chosen_experts() -> Iterator[list[jax.Array]]:
+    """The experts (sparse layers x B x T x k) of the forward passes traced inside."""
     found: list[jax.Array] = []
     token = _CHOSEN.set(found)
     try:
@@ -255,20 +273,22 @@ def chosen_experts() -> Iterator[list[jax.Array]]:
 
 
 def recording_experts() -> bool:
+    """Whether a traced forward pass should output its chosen experts."""
     return _CHOSEN.get() is not None
 
 
 def record_experts(experts: jax.Array) -> None:
+    """Adds a forward pass's chosen experts to the innermost `chosen_experts` block."""
     found = _CHOSEN.get()
     if found is not None:
         found.append(experts)
 
 
 def router_terms(found: list[RouterStats], num_experts: int, top_k: int) -> dict[str, jax.Array]:
-    """aux_loss (load balancing: X * sum_e f_e P_e, f_e the fraction of token copies routed to
+    """aux_loss (load balancing: O * sum_e f_e P_e, f_e the fraction of token copies routed to
     expert e and P_e its mean router probability, pooled over layers and forward passes),
     z_loss (mean logsumexp(router logits)^2), load_max (the most loaded expert's tokens over
-    the mean, worst layer: 1 is perfect balance, X / k means one expert takes everything)
+    the mean, worst layer: 1 is perfect balance, O / k means k experts take everything)
     and, under routing replay, replay_flips (the share of replayed expert slots where this
     router would have chosen otherwise: the mismatch replay removes), and dropped (the
     share of token copies over an expert-parallel device's capacity)."""

@@ -102,7 +102,7 @@ def count_active_params(spec: ModelSpec) -> int:
     """Parameters one token runs through: all but the experts it is not routed to (each
     sparse layer uses experts_per_token of num_experts)."""
     total, moe = count_params(spec.abstract_params), spec.cfg.moe
-    if not moe.num_experts:
+    if "moe" not in spec.abstract_params["blocks"]:  # dense, or no layer sparse
         return total
     experts = sum(int(spec.abstract_params["blocks"]["moe"][k].size) for k in ("gate", "up", "down"))
     return total - experts * (moe.num_experts - moe.experts_per_token) // moe.num_experts

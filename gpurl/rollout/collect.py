@@ -196,7 +196,7 @@ class Collector:
                  "completion_lengths": grouped(clen_B.astype(jnp.int32)),
                  "comp_mask": grouped((real_BxN & keep_B[:, None]).astype(jnp.float32)),
                  "sampler_logprobs": grouped(jnp.where(real_BxN, clp_BxN, 0.0))}
-        if routes:  # routing replay: B x N x S x k
+        if routes:  # routing replay: B x N x L x k
             batch["routes"] = grouped(routes[0])
         return batch, rewards_B
 

@@ -78,7 +78,7 @@ class Rollout:
     tokens: jax.Array  # B x N int32: sampled tokens, pad after the stop
     lengths: jax.Array  # B int32: tokens generated, the stop token included
     logprobs: jax.Array  # B x N float32: log-prob of each sampled token, 0 after the stop
-    routes: jax.Array | None = None  # B x N x S x k int16: routing replay's experts (Completion.routes)
+    routes: jax.Array | None = None  # B x N x L x k int16: routing replay's experts (Completion.routes)
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class Completion:
     logprobs: np.ndarray  # float32: log-prob of each under the distribution sampled from
     stopped: bool  # ended on a stop id (else at max_new_tokens)
     # routing replay: the experts each token was routed to when it was fed back in
-    # (N x S sparse layers x k, int16; -1 where none was recorded: the last token, and
+    # (N x L sparse layers x k, int16; -1 where none was recorded: the last token, and
     # tokens a recompute or resume prefill fed); None unless model.moe.replay_routing
     routes: np.ndarray | None = None
 
@@ -209,11 +209,11 @@ class Engine(Generator):
         self._stop_sets: dict[tuple[int, ...], int] = {}
         self._stop_table: jax.Array | None = None
         self._stop_set(None)
-        moe = spec.cfg.moe
+        experts = spec.cfg.moe
         # (sparse layers, experts per token) recorded per decoded token, or None
-        self.routes_shape = ((sum(moe.is_sparse(i) for i in range(m.num_layers)),
-                               moe.experts_per_token)
-                              if moe.num_experts and moe.replay_routing else None)
+        self.routes_shape = ((sum(experts.is_sparse(i) for i in range(m.num_layers)),
+                              experts.experts_per_token)
+                             if experts.num_experts and experts.replay_routing else None)
         self._prefill = jax.jit(self.traced(self._prefill_fn), static_argnums=(0,),
                                 donate_argnums=(2, 3))
         self._chunk = jax.jit(self.traced(self._chunk_fn), static_argnums=(0,), donate_argnums=(2, 3))
@@ -623,7 +623,7 @@ class Engine(Generator):
             with moe.chosen_experts() if routes_out else contextlib.nullcontext([]) as chosen:
                 hidden_Bx1xD, cache = self.spec.hidden(params, last_B[:, None], lengths_B[:, None],
                                                        ones_Bx1, cache)
-            if routes_out:  # S x B x 1 x k: the experts of the token fed at this step
+            if routes_out:  # L x B x 1 x k: the experts of the token fed at this step
                 fed = jnp.moveaxis(chosen[0][:, :, 0], 0, 1).astype(jnp.int16)
                 routes_out = [routes_out[0].at[:, step].set(
                     jnp.where(active_B[:, None, None], fed, -1))]

@@ -72,7 +72,7 @@ def _check_batch(cfg: Config, divisor: int) -> None:
         raise ConfigError(
             f"the micro-batch ({micro} rows) and train.eval_batch_size "
             f"({cfg.train.eval_batch_size}) must be multiples of the {divisor} batch shards "
-            f"of the mesh; change train.batch_size/micro_batch_size or mesh.data/mesh.fsdp.")
+            f"of the mesh; change train.batch_size/micro_batch_size or mesh.data/mesh.fsdp/mesh.expert.")
 
 
 def _router_defaults(model: ModelConfig, algorithm: registry.Algorithm) -> ModelConfig:
