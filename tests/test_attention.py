@@ -272,7 +272,8 @@ def matmul_flops(jaxpr) -> int:
     return flops
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None), (40, 2.0)])
+@pytest.mark.parametrize("window,softcap", [(None, None),
+                                            pytest.param(40, 2.0, marks=pytest.mark.slow)])
 def test_long_self_attention_skips_only_masked_keys(monkeypatch, window, softcap):
     """With several query chunks, `contiguous` self-attention computes each query group
     against its static key range only: outputs and gradients equal the plain masked
@@ -309,6 +310,7 @@ def test_long_self_attention_skips_only_masked_keys(monkeypatch, window, softcap
     assert flops(True) < (0.6 if window is None else 0.3) * flops(False)
 
 
+@pytest.mark.slow
 def test_skipping_model_step_equals_dense_under_remat_scan_and_sharding(monkeypatch):
     """The Gemma 2-like tiny model (a windowed and a global layer in a scanned, fully
     rematerialized stack), rows sharded over 4 devices, packed rows: the loss and the

@@ -88,7 +88,8 @@ def _forward(path: Path, mesh_sizes: tuple[int, ...], lengths=None, **moe_fields
     return np.asarray(logits), compiled.as_text(), stats
 
 
-@pytest.mark.parametrize("kind", ["sparse", pytest.param("mixed", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sparse", "mixed"])
 def test_logits_equal_transformers_on_every_expert_layout(ckpt, kind):
     model, path = ckpt(kind)
     theirs = hf_models.logits(model, TOKENS, MASK)
