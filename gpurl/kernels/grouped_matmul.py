@@ -25,9 +25,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("ragged", "tiled")
-
-
 def resolve(implementation: str) -> str:
     """`auto`: ragged on accelerators, tiled on CPU."""
     if implementation == "auto":
