@@ -458,7 +458,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = "arithmetic"  # source: arithmetic, arithmetic_prefs or countdown (generated), gsm8k or jsonl (+ data.path)
+    name: str = "arithmetic"  # source: arithmetic, arithmetic_prefs, countdown, calculator or guess_number (generated), gsm8k or jsonl (+ data.path)
     # jsonl rows {"prompt"[,"completion"]} or {"messages"}; gsm8k rows {"question","answer"};
     # for dpo, simpo and orpo jsonl rows {"prompt","chosen","rejected"}
     path: Optional[str] = None
@@ -480,7 +480,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _tuplify(self)
-        _choice("data.name", self.name, ("arithmetic", "countdown", "gsm8k", "jsonl", "arithmetic_prefs"))
+        _choice("data.name", self.name, ("arithmetic", "countdown", "gsm8k", "jsonl",
+                                         "arithmetic_prefs", "calculator", "guess_number"))
         if self.name in ("jsonl", "gsm8k") and not self.path:
             raise ConfigError(f"data={self.name} needs a file; set data.path=/path/to/train.jsonl.")
         _positive("data.max_len", self.max_len)
@@ -601,6 +602,48 @@ class RolloutConfig:
         for name in ("slots", "block_size", "decode_chunk"):
             _positive(f"rollout.{name}", getattr(self, name))
         _positive("rollout.kv_cache_tokens", self.kv_cache_tokens, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn RL: an environment per trajectory (`gpurl.envs`), stepped on the host of
+    the process that holds the row, between turns of the rollout engine. Off when `name`
+    is null (single-turn completions scored by the reward functions)."""
+
+    # built-in environment (calculator, guess_number) or "pkg.module:Name"; null = single-turn
+    name: Optional[str] = None
+    # tools the environment may call: built-in names (calculator) or "pkg.module:function"
+    tools: list[str] = field(default_factory=list)
+    tool_format: str = "hermes"  # tool-call syntax the parser reads: hermes (Qwen 2.5/3 <tool_call>{json}</tool_call>) or llama3 ({"name", "parameters"} JSON)
+    max_turns: int = 4  # model turns per trajectory
+    max_tokens: int = 256  # tokens after the prompt per trajectory (model and observation tokens): the trainer's completion width
+    stop: list[str] = field(default_factory=list)  # strings that end a model turn besides EOS and rollout.stop ("\n" means newline)
+    reward: str = "sum"  # trajectory reward from the environment's step rewards: sum or last
+    timeout_s: float = 10.0  # seconds one reset or step may take; 0 = no limit
+    # an environment or tool that raises or runs past env.timeout_s: end (end that
+    # trajectory with env.error_reward, counted in env/errors) or stop (end the run naming it and the row)
+    on_error: str = "end"
+    error_reward: float = 0.0  # trajectory reward of a trajectory ended by an error
+
+    def __post_init__(self) -> None:
+        _tuplify(self)
+        object.__setattr__(self, "stop", tuple(
+            s.replace("\\n", "\n").replace("\\t", "\t") for s in self.stop))
+        if any(s == "" for s in self.stop):
+            raise ConfigError("env.stop holds an empty string; remove it or give the text to stop at.")
+        _choice("env.tool_format", self.tool_format, ("hermes", "llama3"))
+        _choice("env.reward", self.reward, ("sum", "last"))
+        _choice("env.on_error", self.on_error, ("end", "stop"))
+        _positive("env.max_turns", self.max_turns)
+        _positive("env.max_tokens", self.max_tokens)
+        _positive("env.timeout_s", self.timeout_s, allow_zero=True)
+        if self.tools and self.name is None:
+            raise ConfigError("env.tools names tools but env.name is null; choose an "
+                              "environment that calls them (e.g. env=tools or env.name=pkg.module:Name).")
+
+    @property
+    def on(self) -> bool:
+        return self.name is not None
 
 
 @dataclass(frozen=True)
@@ -737,6 +780,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn environments and tools (env=calculator); off by default
 
 
 @dataclass(frozen=True)
@@ -753,11 +797,25 @@ class GenerateConfig:
     seed: int = 0  # sampling seed (row i of prompt j uses seed + j * n + i)
     checkpoint: Optional[str] = None  # a gpurl run directory: its newest checkpoint and model config
     chat_template: bool = False  # wrap each prompt in the tokenizer's chat template
+    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn: step an environment between turns (env=calculator) and print each trajectory
+    # with an environment and no prompt: the prompts (and their metadata, e.g. answer) are
+    # the first `num_prompts` held-out rows of this data
+    data: DataConfig = field(default_factory=DataConfig)
+    num_prompts: int = 2  # held-out data rows shown with an environment when no prompt is given
+    # with an environment: also write every trajectory to this jsonl file as an SFT row
+    # {"prompt", "trajectory": [{"text", "train"}], "reward", ...metadata} (`algo=sft
+    # data=jsonl data.path=...` trains on its model turns only); with several processes
+    # each writes its own rows to <name>-<process>.jsonl
+    record: Optional[str] = None
 
     def __post_init__(self) -> None:
         _positive("n", self.n)
-        if (self.prompt is None) == (self.prompts_file is None):
+        _positive("num_prompts", self.num_prompts)
+        if self.prompt is not None and self.prompts_file is not None:
             raise ConfigError('give exactly one of prompt="..." or prompts_file=path.jsonl.')
+        if self.prompt is None and self.prompts_file is None and not self.env.on:
+            raise ConfigError('give exactly one of prompt="..." or prompts_file=path.jsonl '
+                              '(or an environment, env=calculator, to use its data).')
 
 
 @dataclass(frozen=True)
@@ -770,6 +828,7 @@ class EvalConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)  # as in train; the first function decides correctness
+    env: EnvConfig = field(default_factory=EnvConfig)  # as in train: multi-turn trajectories, correct when the environment's reward is >= 1
     checkpoint: Optional[str] = None  # a gpurl run directory: its newest checkpoint and model config
     pass_k: int = 4  # samples per prompt for pass@k at rollout.temperature; 0 = greedy only
     batch_size: int = 128  # rows (prompts x samples) per generation call

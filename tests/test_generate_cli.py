@@ -39,7 +39,8 @@ def test_prompts_file_rows_each_get_n_samples(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,expected", [
-    ([], 'give exactly one of prompt="..." or prompts_file=path.jsonl.'),
+    ([], 'give exactly one of prompt="..." or prompts_file=path.jsonl (or an environment, '
+         'env=calculator, to use its data).'),
     (["prompt=x", "n=0"], "n=0 is not valid"),
     (["prompt=x", "nn=2"], "unknown config key 'nn'; did you mean 'n'?"),
 ])

@@ -115,6 +115,52 @@ def test_grpo_two_processes_match_one_and_score_each_row_once(tmp_path):
         assert sum(per_process.values()) == expected, (name, per_process)
 
 
+# GRPO with the guess-the-number environment (its own data and rollout presets); each
+# environment appends "<trajectory> <turn>" to the count directory as it is stepped
+ENV_ARGS = ([a for a in TINY_GRPO_ARGS if not a.startswith(("data=", "data.max_len", "rollout"))]
+            + ["env=guess_number", "env.name=rl_envs:CountedGuess", "env.max_turns=3",
+               "env.max_tokens=40", "data.max_len=256", "data.few_shot=1",
+               "rollout.max_new_tokens=4", "train.steps=2", "data.num_eval=0"])
+
+
+def test_environments_are_stepped_once_per_turn_where_their_rows_live(tmp_path):
+    """Multi-turn GRPO with 2 processes x 2 devices equals 1 process x 4 devices, and
+    every trajectory's environment is stepped by one process, exactly once per turn
+    (turns 1, 2, ... with none repeated or skipped), for every row generated: 2 steps x
+    4 prompts x 4 samples."""
+    procs = []
+    for name, n in (("one", 1), ("two", 2)):
+        (tmp_path / f"count-{name}").mkdir()
+        procs += _launch(tmp_path / name, n, ENV_ARGS,
+                         {"GPURL_TEST_COUNT_DIR": str(tmp_path / f"count-{name}")})
+    outputs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    for a, b in zip(one, two):
+        for key in ("reward/mean", "env/turns", "env/observation_tokens", "loss", "grad_norm"):
+            if key in a:
+                np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    assert "env/turns" in one[0]
+    steps = {}
+    for name, n in (("one", 1), ("two", 2)):
+        files = list((tmp_path / f"count-{name}").iterdir())
+        assert len(files) == n
+        turns: dict[str, list[int]] = {}
+        for f in files:
+            for line in f.read_text().split("\n"):
+                if line:
+                    traj, turn = line.split()
+                    turns.setdefault(traj, []).append(int(turn))
+        assert len(turns) == 2 * 4 * 4, name
+        assert all(t == list(range(1, len(t) + 1)) for t in turns.values()), name
+        if n == 2:  # both processes stepped their own rows
+            assert all(f.stat().st_size for f in files)
+        steps[name] = sorted(len(t) for t in turns.values())
+    assert steps["one"] == steps["two"]
+
+
 # the tiny mixture-of-experts model with its experts split over 2 devices (the trainer's
 # expert axis spans both processes' devices in the 2-process run), routing replay on
 MOE_ARGS = ([a for a in GRPO_ARGS if not a.startswith("model=")]

@@ -86,6 +86,36 @@ def test_gae_and_token_rewards_equal_numpy(gamma, lam):
     np.testing.assert_allclose(np.asarray(ret), ret_np, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8)])
+def test_gae_crosses_observation_spans_as_if_they_were_not_there(gamma, lam):
+    """A multi-turn trajectory: model tokens, an observation span (mask 0), model tokens,
+    another span, padding. GAE over the masked row equals the paper's GAE over the
+    row's model tokens alone, scattered back (observation tokens 0), and the score sits
+    on the last model token, not on the last token before a span."""
+    rng = np.random.default_rng(3)
+    n = 12
+    mask = np.zeros((3, n), np.float32)
+    mask[0, [0, 1, 2, 5, 6, 9]] = 1  # spans 3-4 and 7-8, padding 10-11
+    mask[1, [0, 3, 4, 5, 6, 7]] = 1
+    mask[2, :7] = 1  # one turn
+    score, kl, values = rng.normal(size=3), np.abs(rng.normal(size=(3, n))), rng.normal(size=(3, n))
+    kl, values = (kl * mask).astype(np.float32), (values * mask).astype(np.float32)
+    r = np.asarray(token_rewards(jnp.asarray(score, jnp.float32), jnp.asarray(kl),
+                                 jnp.asarray(mask), 0.05))
+    adv, ret = (np.asarray(x) for x in gae(jnp.asarray(r), jnp.asarray(values), jnp.asarray(mask),
+                                           gamma, lam))
+    for b in range(3):
+        on = np.flatnonzero(mask[b])
+        m = len(on)
+        want_r = token_rewards_numpy(score[b:b + 1], kl[b:b + 1, on], [m], 0.05)
+        np.testing.assert_allclose(r[b, on], want_r[0], atol=1e-6)
+        adv_np, ret_np = gae_numpy(want_r, values[b:b + 1, on], [m], gamma, lam)
+        np.testing.assert_allclose(adv[b, on], adv_np[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ret[b, on], ret_np[0], rtol=1e-5, atol=1e-5)
+        off = mask[b] == 0
+        assert not adv[b, off].any() and not ret[b, off].any() and not r[b, off].any()
+
+
 def test_whitening_and_losses_equal_numpy():
     lengths, mask, f = _random_batch(1)
     x = f(6, 7)

@@ -262,7 +262,8 @@ def test_jsonl_prompt_errors(tmp_path: Path) -> None:
 # --- default rewards -----------------------------------------------------------------------
 
 def test_every_source_has_default_rewards_that_resolve() -> None:
-    names = {"arithmetic", "arithmetic_prefs", "countdown", "gsm8k", "jsonl"}
+    names = {"arithmetic", "arithmetic_prefs", "countdown", "gsm8k", "jsonl", "calculator",
+             "guess_number"}
     assert set(TASK_REWARDS) == names
     for name in names:
         cfg = DataConfig(name=name, path="x.jsonl")

@@ -57,7 +57,9 @@ def test_batch_is_grouped_by_prompt():
     select_B = jnp.asarray([2, 3, 0, 1])  # groups in a new order, each kept whole
     keep_B = jnp.asarray([True, True, False, False])
     out, rewards = Collector._assemble_fn(
-        fake, [(prompt_BxW, plen_B, comp_BxN, clen_B, clp_BxN, rewards_B)], select_B, keep_B)
+        fake, [{"prompt_tokens": prompt_BxW, "prompt_lengths": plen_B, "completions": comp_BxN,
+                "completion_lengths": clen_B, "sampler_logprobs": clp_BxN, "rewards": rewards_B}],
+        select_B, keep_B)
     np.testing.assert_allclose(rewards, [0.3, 0.4, 0.1, 0.2])  # each row keeps its reward
     np.testing.assert_array_equal(out["prompt_tokens"], [[3, 0, 0, 0], [5, 6, 7, 0]])
     np.testing.assert_array_equal(out["prompt_lengths"], [1, 3])

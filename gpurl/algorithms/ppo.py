@@ -7,7 +7,8 @@ Per completion token t (B sequences, N token slots, mask m):
   KL_t estimates KL(pi_old || pi_ref) at token t (`algo.kl_estimator`, k1 in the preset);
 - values V_t = V(s_t) of the state before token t from the critic; V after the last token is 0;
 - GAE (Schulman et al. 2016, eqs. 11-16): delta_t = r_t + gamma V_{t+1} - V_t,
-  A_t = delta_t + gamma lambda A_{t+1}; returns R_t = A_t + V_t;
+  A_t = delta_t + gamma lambda A_{t+1}; returns R_t = A_t + V_t; over the model's tokens
+  only: a multi-turn trajectory's observation spans (mask 0) are crossed (`gae`);
 - advantages whitened over the batch's tokens (`algo.whiten_advantages`);
 - policy loss: the clipped surrogate with token ratios (Schulman et al. 2017, eq. 7;
   `gpurl.algorithms.policy_gradient.policy_loss` with per-token advantages);
@@ -41,25 +42,35 @@ from gpurl.models.scalar import ActorCriticSpec, head
 
 def token_rewards(scores_B: jax.Array, kl_BxN: jax.Array, mask_BxN: jax.Array,
                   kl_coef: jax.Array | float) -> jax.Array:
-    """r_t = -beta KL_t on every completion token, plus the score on the last one."""
-    last_BxN = mask_BxN * (1.0 - jnp.concatenate([mask_BxN[:, 1:], jnp.zeros_like(mask_BxN[:, :1])], 1))
+    """r_t = -beta KL_t on every completion token, plus the score on the last one (the
+    last token of the mask: a multi-turn trajectory's last model token)."""
+    after_BxN = jnp.cumsum(mask_BxN[:, ::-1], axis=1)[:, ::-1] - mask_BxN  # mask tokens later
+    last_BxN = mask_BxN * (after_BxN == 0)
     return (-kl_coef * kl_BxN + scores_B[:, None] * last_BxN) * mask_BxN
 
 
 def gae(rewards_BxN: jax.Array, values_BxN: jax.Array, mask_BxN: jax.Array, gamma: float,
         lam: float) -> tuple[jax.Array, jax.Array]:
-    """(advantages, returns), B x N, by a reverse scan over tokens; 0 outside the mask."""
-    next_BxN = jnp.concatenate([values_BxN[:, 1:] * mask_BxN[:, 1:],
-                                jnp.zeros_like(values_BxN[:, :1])], axis=1)
-    delta_BxN = (rewards_BxN + gamma * next_BxN - values_BxN) * mask_BxN
+    """(advantages, returns), B x N, by a reverse scan over tokens; 0 outside the mask.
 
-    def back(carry_B: jax.Array, xs: tuple[jax.Array, jax.Array]):
-        delta_B, m_B = xs
-        adv_B = (delta_B + gamma * lam * carry_B) * m_B
-        return adv_B, adv_B
+    Tokens outside the mask are crossed, not ends: a multi-turn trajectory's observation
+    spans sit between model tokens, and GAE runs over the model's tokens alone, as if
+    the spans were not there. A model token's next value and next advantage are those
+    of the next model token (past any span), and gamma and lambda discount once per model
+    token. (verl's multi-turn GAE crosses observation tokens the same way.) With the
+    mask a prefix of the row (one completion), this is plain GAE."""
 
-    _, adv_NxB = jax.lax.scan(back, jnp.zeros_like(delta_BxN[:, 0]),
-                              (delta_BxN.T, mask_BxN.T), reverse=True)
+    def back(carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...]):
+        next_value_B, next_adv_B = carry
+        r_B, v_B, m_B = xs
+        adv_B = r_B + gamma * next_value_B - v_B + gamma * lam * next_adv_B
+        on_B = m_B > 0
+        carry = (jnp.where(on_B, v_B, next_value_B), jnp.where(on_B, adv_B, next_adv_B))
+        return carry, jnp.where(on_B, adv_B, 0.0)
+
+    zeros_B = jnp.zeros_like(values_BxN[:, 0])
+    _, adv_NxB = jax.lax.scan(back, (zeros_B, zeros_B),
+                              (rewards_BxN.T, values_BxN.T, mask_BxN.T), reverse=True)
     adv_BxN = adv_NxB.T
     return adv_BxN, (adv_BxN + values_BxN) * mask_BxN
 

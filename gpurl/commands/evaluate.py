@@ -36,9 +36,10 @@ def evaluate(cfg: EvalConfig) -> dict[str, float]:
                           f"or data.eval_path.")
     prompts, skipped = encode_prompts(eval_rows, tokenizer, cfg.data.chat_template,
                                       cfg.data.max_len, "eval")
-    rewards = load_rewards(cfg.rewards, default_rewards(cfg.data))
+    rewards = load_rewards(cfg.rewards, [] if cfg.env.on else default_rewards(cfg.data))
     engine = RolloutEngine(spec, tokenizer, cfg.rollout, cfg.mesh, rewards,
-                           bucket(max(len(t) for t in prompts.tokens), MIN_PROMPT_BUCKET))
+                           bucket(max(len(t) for t in prompts.tokens), MIN_PROMPT_BUCKET),
+                           env=cfg.env)
     if params is None:
         params = loading.load_params(model_cfg, spec, engine.sampler.param_shardings)
     if params is None:

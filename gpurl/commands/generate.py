@@ -9,13 +9,16 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from gpurl.config import ConfigError, GenerateConfig, ModelConfig
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import rollout_mesh
 from gpurl.models import Params, loading, model_spec
 from gpurl.models.tokenizer import Tokenizer
+from gpurl.data.sources import load_prompts, read_jsonl
 from gpurl.rollout.decode import stop_token_ids, truncate
+from gpurl.rollout.multiturn import EnvFactory, Episodes
 from gpurl.rollout.prompts import encode_prompt
 from gpurl.rollout.engine import Engine
 from gpurl.train.restore import restore_run
@@ -77,8 +80,10 @@ def generate(cfg: GenerateConfig) -> dict[int, tuple[str, int, float]]:
         tokenizers["t"] = loading.load_tokenizer(model_cfg)
         return Engine(model_spec(model_cfg), cfg.rollout, rollout_mesh(cfg.mesh),
                       cfg.mesh.sample_rules, pad_id=tokenizers["t"].pad_id,
-                      stop_ids=stop_token_ids(tokenizers["t"], cfg.rollout.stop))
+                      stop_ids=stop_token_ids(tokenizers["t"], _stops(cfg)))
 
+    if cfg.env.on:
+        return _trajectories(cfg, sampler_for, tokenizers)
     model_cfg, engine, params = _model(cfg, sampler_for)
     tokenizer = tokenizers["t"]
     prompts = read_prompts(cfg)
@@ -103,3 +108,79 @@ def generate(cfg: GenerateConfig) -> dict[int, tuple[str, int, float]]:
         print(f"--- sample {row % cfg.n + 1}/{cfg.n} ({length} tokens, logprob {logprob:.2f}):\n"
               f"{text}", flush=True)
     return out
+
+
+def _stops(cfg: GenerateConfig) -> tuple[str, ...]:
+    return tuple(cfg.rollout.stop) + (tuple(cfg.env.stop) if cfg.env.on else ())
+
+
+def _env_rows(cfg: GenerateConfig) -> list[dict]:
+    """Data rows of an environment: the prompt (file) rows with their metadata, or the
+    first `num_prompts` held-out rows of `data`."""
+    if cfg.prompt is not None:
+        return [{"prompt": cfg.prompt}]
+    if cfg.prompts_file is not None:
+        if not cfg.prompts_file.endswith(".jsonl"):
+            raise ConfigError(f"prompts_file={cfg.prompts_file} is not a .jsonl file; an "
+                              f"environment reads each row's metadata (e.g. answer) from jsonl rows.")
+        return read_jsonl(cfg.prompts_file, "prompts_file", need_completion=False)
+    train, held_out = load_prompts(cfg.data)
+    return (held_out or train)[:cfg.num_prompts]
+
+
+def _trajectories(cfg: GenerateConfig, sampler_for,
+                  tokenizers: dict[str, Tokenizer]) -> dict[int, tuple[str, int, float, float]]:
+    """Multi-turn generation: each prompt's `n` trajectories with its environment, printed
+    turn by turn (observations marked), with the environment's reward."""
+    model_cfg, engine, params = _model(cfg, sampler_for)
+    tokenizer = tokenizers["t"]
+    rows = _env_rows(cfg)
+    flat = [(rows[j], j * cfg.n + i) for j in range(len(rows)) for i in range(cfg.n)]
+    count, rank = runtime.process_count(), runtime.process_index()
+    per = -(-len(flat) // count)
+    mine = flat[rank * per:(rank + 1) * per]
+    requests = [engine.request(encode_prompt(tokenizer, row.get("messages") or row["prompt"],
+                                             cfg.chat_template), cfg.seed + i)
+                for row, i in mine]
+    episodes = Episodes(EnvFactory(cfg.env), tokenizer, _stops(cfg), cfg.env.max_tokens,
+                        cfg.rollout.max_new_tokens, engine.routes_shape)
+    requests = episodes.begin([row for row, _ in mine], [i for _, i in mine], requests)
+    engine.generate(params, requests, resume=episodes.resume)
+    out, records = {}, []
+    for (row, i), traj in zip(mine, episodes.trajectories):
+        if i % cfg.n == 0 or i == mine[0][1]:
+            prompt = row.get("messages") or row["prompt"]
+            shown = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+            print(f"=== prompt {i // cfg.n} ({model_cfg.name}, env {cfg.env.name}):\n{shown}", flush=True)
+        reward = traj.reward(cfg.env)
+        print(f"--- trajectory {i % cfg.n + 1}/{cfg.n}: {traj.turns} turns, reward {reward:g}"
+              f"{' (ended by an error)' if traj.error else ''}, {traj.drawn} model tokens", flush=True)
+        for is_model, ids in _spans(traj.tokens, traj.model):
+            text = tokenizer.decode(ids)
+            print(text if is_model else f"[env] {text}", end="" if text.endswith("\n") else "\n",
+                  flush=True)
+        model_lp = float(np.sum([lp for lp, m in zip(traj.logprobs, traj.model) if m]))
+        out[i] = (tokenizer.decode(traj.tokens), len(traj.tokens), model_lp, reward)
+        records.append({**row, "trajectory": [{"text": tokenizer.decode(ids), "train": m}
+                                              for m, ids in _spans(traj.tokens, traj.model)],
+                        "reward": reward, "turns": traj.turns})
+    if cfg.record is not None:
+        path = Path(cfg.record)
+        if count > 1:
+            path = path.with_name(f"{path.stem}-{rank}{path.suffix}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
+                        encoding="utf-8")
+        print(f"[gpurl] wrote {len(records)} trajectories to {path}", flush=True)
+    return out
+
+
+def _spans(tokens: list[int], model: list[bool]) -> list[tuple[bool, list[int]]]:
+    """Runs of model tokens and of observation tokens, in order."""
+    spans: list[tuple[bool, list[int]]] = []
+    for t, m in zip(tokens, model):
+        if spans and spans[-1][0] == m:
+            spans[-1][1].append(t)
+        else:
+            spans.append((m, [t]))
+    return spans

@@ -58,9 +58,31 @@ def encode_sft(examples: list[dict], tokenizer: Tokenizer, cfg: DataConfig) -> T
     prompt_ids = tokenizer.encode_batch(list(prompts))
     completion_ids = tokenizer.encode_batch(list(completions))
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    trained = None
+    if any("trajectory" in ex for ex in examples):  # recorded trajectories: model turns only
+        completion_ids, trained = _segments(examples, completion_ids, tokenizer)
+        trained = [[False] * (len(bos) + len(p)) + t + [True] for p, t in zip(prompt_ids, trained)]
     seqs = [bos + p + c + [tokenizer.eos_id] for p, c in zip(prompt_ids, completion_ids)]
     prompt_len_X = np.array([len(bos) + len(p) for p in prompt_ids], dtype=np.int64)
-    return _layout(seqs, prompt_len_X, cfg.max_len, cfg.packing, tokenizer.pad_id)
+    return _layout(seqs, prompt_len_X, cfg.max_len, cfg.packing, tokenizer.pad_id, trained)
+
+
+def _segments(examples: list[dict], completion_ids: list[list[int]],
+              tokenizer: Tokenizer) -> tuple[list[list[int]], list[list[bool]]]:
+    """Token ids of each completion and whether each is trained: a trajectory's segments
+    tokenized one by one, trained where its segment says (observations are not); other
+    completions are trained throughout."""
+    ids_out, trained = [], []
+    for ex, ids in zip(examples, completion_ids):
+        if "trajectory" not in ex:
+            ids_out.append(ids)
+            trained.append([True] * len(ids))
+            continue
+        segments = ex["trajectory"]
+        pieces = tokenizer.encode_batch([s["text"] for s in segments])
+        ids_out.append([t for piece in pieces for t in piece])
+        trained.append([s["train"] for s, piece in zip(segments, pieces) for _ in piece])
+    return ids_out, trained
 
 
 def _chat_texts(example: dict, tokenizer: Tokenizer) -> tuple[str, str]:
@@ -82,8 +104,10 @@ def _chat_texts(example: dict, tokenizer: Tokenizer) -> tuple[str, str]:
 
 
 def _layout(seqs: list[list[int]], prompt_len_X: np.ndarray, T: int, packing: bool,
-            pad_id: int) -> TokenRows:
-    """Place each (right-truncated) sequence in its row and build the row arrays at once."""
+            pad_id: int, trained: list[list[bool]] | None = None) -> TokenRows:
+    """Place each (right-truncated) sequence in its row and build the row arrays at once.
+    `trained`: per token of each sequence, whether it may carry loss (beside the rule
+    that prompts do not)."""
     full_len_X = np.array([len(s) for s in seqs], dtype=np.int64)
     flat_Z = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32,
                          count=int(full_len_X.sum()))
@@ -91,6 +115,9 @@ def _layout(seqs: list[list[int]], prompt_len_X: np.ndarray, T: int, packing: bo
     keep_Z = pos_Z < T
     len_X = np.minimum(full_len_X, T)
     flat_Z, pos_Z = flat_Z[keep_Z], pos_Z[keep_Z]
+    if trained is not None:
+        trained_Z = np.fromiter(itertools.chain.from_iterable(trained), dtype=bool,
+                                count=int(full_len_X.sum()))[keep_Z]
 
     num_examples = len(seqs)
     if packing:
@@ -111,6 +138,8 @@ def _layout(seqs: list[list[int]], prompt_len_X: np.ndarray, T: int, packing: bo
     positions[dest_Z] = pos_Z
     segment_ids[dest_Z] = np.repeat(seg_X, len_X)
     loss_mask[dest_Z] = pos_Z >= np.repeat(first_loss_X, len_X)
+    if trained is not None:
+        loss_mask[dest_Z] *= trained_Z
     shape = (num_rows, T)
     return TokenRows(tokens.reshape(shape), positions.reshape(shape), segment_ids.reshape(shape),
                      loss_mask.reshape(shape), int((full_len_X > T).sum()), pad_id)

@@ -27,7 +27,7 @@ GSM8K_TEMPLATE = "Question: {question}\nAnswer:"
 # Few-shot arithmetic completions start with the answer, then invent more example lines.
 TASK_REWARDS: dict[str, list[str]] = {
     "arithmetic": ["first_number_match"], "arithmetic_prefs": ["first_number_match"],
-    "countdown": ["countdown"],
+    "countdown": ["countdown"], "calculator": ["numeric_match"], "guess_number": ["numeric_match"],
     "gsm8k": ["numeric_match"], "jsonl": ["numeric_match"]}
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -115,6 +115,7 @@ def _gsm8k_rows(cfg: DataConfig, need_completion: bool) -> tuple[list[dict], lis
 
 _SOURCES: dict[str, Callable[[DataConfig, bool], tuple[list[dict], list[dict]]]] = {
     "arithmetic": _task_rows, "arithmetic_prefs": _task_rows, "countdown": _task_rows,
+    "calculator": _task_rows, "guess_number": _task_rows,
     "gsm8k": _gsm8k_rows,
     "jsonl": _jsonl_rows}
 
@@ -170,6 +171,8 @@ def _parse_object(line: str, where: str) -> dict:
 def _parse_row(row: dict, where: str, need_completion: bool) -> dict:
     if "messages" in row:
         return _from_messages(row, where, need_completion)
+    if "prompt" in row and "trajectory" in row:
+        return _from_trajectory(row, where)
     if "prompt" in row and ("completion" in row or not need_completion):
         for field in ("prompt", "completion"):
             if field in row:
@@ -203,6 +206,20 @@ def _from_messages(row: dict, where: str, need_completion: bool) -> dict:
         prompt_messages, completion = messages, {}
     return {**row, "messages": prompt_messages,
             "prompt": "\n".join(m["content"] for m in prompt_messages), **completion}
+
+
+def _from_trajectory(row: dict, where: str) -> dict:
+    """A recorded multi-turn trajectory (`gpurl generate env=... record=F`): the prompt and
+    segments {"text", "train"}; SFT trains on the "train" segments (the model's turns)
+    only. Its completion is the segments' text."""
+    _expect_str(row["prompt"], f"{where}: 'prompt'")
+    segments = row["trajectory"]
+    if not isinstance(segments, list) or not segments or not all(
+            isinstance(s, dict) and isinstance(s.get("text"), str)
+            and isinstance(s.get("train"), bool) for s in segments):
+        raise ConfigError(f'{where}: "trajectory" must be a non-empty list of '
+                          '{"text": str, "train": bool} objects; fix that row.')
+    return {**row, "completion": "".join(s["text"] for s in segments)}
 
 
 def _from_gsm8k(row: dict, where: str, template: str) -> dict:

@@ -7,6 +7,7 @@ changing it), and shaped by its own fields of `cfg` (a DataConfig).
 
 from __future__ import annotations
 
+import json
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -148,5 +149,68 @@ def countdown(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict]
     return items
 
 
+# Word-problem templates of the calculator task: {a} and {b} are the operands, by operator.
+_WORD_PROBLEMS = {
+    "+": ("Sam has {a} apples and buys {b} more. How many apples does Sam have now?",
+          "A shop sold {a} pens in the morning and {b} pens in the afternoon. How many pens did it sell?",
+          "A bus carries {a} people and {b} more get on. How many people are on the bus?"),
+    "-": ("Sam has {a} apples and gives away {b}. How many apples does Sam have left?",
+          "A tank holds {a} liters and {b} liters leak out. How many liters are left?",
+          "A library had {a} books and lent out {b}. How many books are still there?"),
+    "*": ("A box holds {a} eggs. How many eggs are in {b} boxes?",
+          "A ticket costs {a} dollars. How much do {b} tickets cost?",
+          "A farmer plants {b} rows of {a} trees. How many trees does he plant?"),
+}
+
+
+def tool_call(name: str, **arguments: object) -> str:
+    """A tool call as the hermes format writes it (Qwen 2.5 / 3 chat templates)."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def calculator(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict]:
+    """`num` arithmetic word problems for the calculator environment (`env=calculator`),
+    the operands and operators of `arithmetic` in a sentence; the worked completion calls
+    the calculator and answers with its result (the few-shot demonstrations):
+    {"prompt": "Q: Sam has 37 apples and buys 25 more. How many apples does Sam have
+    now?\n", "completion": "<tool_call>{...\"expression\": \"37 + 25\"}}</tool_call>\n
+    <tool_response>62</tool_response>\nAnswer: 62", "answer": "62"}."""
+    rng = np.random.default_rng([seed, 3])
+    items = []
+    for item in arithmetic(num, seed, cfg):
+        a, op, b = item["prompt"].rstrip(" =").split(" ")
+        question = _WORD_PROBLEMS[op][int(rng.integers(len(_WORD_PROBLEMS[op])))].format(a=a, b=b)
+        result = item["answer"]
+        work = (tool_call("calculator", expression=f"{a} {op} {b}") + "\n"
+                f"<tool_response>{result}</tool_response>\nAnswer: {result}")
+        items.append({"prompt": f"Q: {question}\n", "completion": work, "answer": result})
+    return items
+
+
+def guess_number(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict]:
+    """`num` games of guess-the-number (`env=guess_number`): a secret in data.a_range; the
+    worked completion is a bisection game, the environment answering "Higher." or
+    "Lower.": {"prompt": "I am thinking of a number from 1 to 20. Guess it.\nGuess:",
+    "completion": " 10\nHigher.\nGuess: 15\nLower.\nGuess: 12", "answer": "12"}."""
+    lo, hi = cfg.a_range
+    rng = np.random.default_rng([seed, 4])
+    items = []
+    for game, secret in enumerate(rng.integers(lo, hi + 1, num).tolist(), 1):
+        low, high, lines = lo, hi, []
+        while True:
+            guess = (low + high) // 2
+            lines.append(f" {guess}")
+            if guess == secret:
+                break
+            hint = "Higher." if guess < secret else "Lower."
+            low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
+            lines.append(f"\n{hint}\nGuess:")
+        items.append({"prompt": f"Game {game}. I am thinking of a number from {lo} to {hi}. "
+                                f"Guess it.\nGuess:",
+                      "completion": "".join(lines), "answer": str(secret)})
+    return items
+
+
 TASKS: dict[str, Callable[[int, int, DataConfig], list[dict]]] = {
-    "arithmetic": arithmetic, "arithmetic_prefs": arithmetic_prefs, "countdown": countdown}
+    "arithmetic": arithmetic, "arithmetic_prefs": arithmetic_prefs, "countdown": countdown,
+    "calculator": calculator, "guess_number": guess_number}

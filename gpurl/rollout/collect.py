@@ -36,7 +36,7 @@ class Shaping:
     """The reward of a row from its scores: function_weight x the functions' weighted
     total, plus DAPO's overlong punishment (Yu et al. 2025, eq. 13)."""
 
-    max_tokens: int  # rollout.max_new_tokens
+    max_tokens: int  # rollout.max_new_tokens (multi-turn: env.max_tokens)
     overlong_buffer: int = 0  # the penalty ramps over the last N tokens; 0 = off
     overlong_penalty: float = 1.0  # the penalty at the length limit
     # 0 when a reward model gives the reward and no functions were named: they only report
@@ -138,10 +138,8 @@ class Collector:
         groups = np.concatenate([kept_pairs[:num_kept], dropped_pairs])[:self.batch_size]
         select_B, keep_B = self._rows(rounds, groups, num_kept)
         assembled_at = time.perf_counter()
-        parts = [tuple(self.to_trainer(x) for x in (
-            r.prompt_tokens, r.prompt_lengths, r.rollout.tokens, r.rollout.lengths,
-            r.rollout.logprobs, shaped) + ((r.rollout.routes,) if r.rollout.routes is not None
-                                           else ())) for r, shaped in zip(rounds, rewards)]
+        parts = [{k: self.to_trainer(x) for k, x in self._parts(r, shaped).items()}
+                 for r, shaped in zip(rounds, rewards)]
         batch, rewards_B = self._assemble(parts, jnp.asarray(select_B, jnp.int32),
                                           jnp.asarray(keep_B))
         metrics = self._stats(rounds[0].scores, rounds[0].rollout.lengths, rewards[0],
@@ -158,7 +156,33 @@ class Collector:
             "rollout/preempted": float(sum(r.engine["preempted"] for r in rounds))})
         if self.count_errors:
             metrics["reward/errors"] = sum(self._errors(r.scores, r.row_ids) for r in rounds)
+        if rounds[0].env is not None:  # multi-turn: the unfiltered round 0's trajectories
+            metrics.update(self._env_stats(rounds[0].env, rounds[0].rollout.mask,
+                                           rounds[0].rollout.lengths, jnp.asarray(rounds[0].positions)))
         return Collected(batch, rewards_B, metrics, assembled_at)
+
+    @staticmethod
+    def _parts(r: Round, shaped: jax.Array) -> dict[str, jax.Array]:
+        """A round's arrays the batch is assembled from (rollout rows)."""
+        out = {"prompt_tokens": r.prompt_tokens, "prompt_lengths": r.prompt_lengths,
+               "completions": r.rollout.tokens, "completion_lengths": r.rollout.lengths,
+               "sampler_logprobs": r.rollout.logprobs, "rewards": shaped}
+        if r.rollout.routes is not None:
+            out["routes"] = r.rollout.routes
+        if r.rollout.mask is not None:
+            out["model_mask"] = r.rollout.mask
+        return out
+
+    @staticmethod
+    @jax.jit
+    def _env_stats(env_Bx3: jax.Array, mask_BxN: jax.Array, lengths_B: jax.Array,
+                   pos: jax.Array) -> dict[str, jax.Array]:
+        """Trajectory metrics over the global rows (device rows `pos`)."""
+        env_Bx3, mask_BxN, lengths_B = env_Bx3[pos], mask_BxN[pos], lengths_B[pos]
+        model_B = mask_BxN.sum(-1)
+        return {"env/reward": env_Bx3[:, 0].mean(), "env/turns": env_Bx3[:, 1].mean(),
+                "env/errors": env_Bx3[:, 2].sum(), "env/model_tokens": model_B.mean(),
+                "env/observation_tokens": (lengths_B - model_B).mean()}
 
     def _select(self, rewards_B: jax.Array, r: Round) -> tuple[np.ndarray, np.ndarray]:
         """`select_groups` of a round; under dynamic sampling the host receives the P
@@ -179,26 +203,29 @@ class Collector:
         select_B = offsets[round_B] + positions[round_B, global_B]
         return select_B, np.repeat(np.arange(len(groups)) < num_kept, g)
 
-    def _assemble_fn(self, rounds: list[tuple], select_B: jax.Array,
+    def _assemble_fn(self, rounds: list[dict], select_B: jax.Array,
                      keep_B: jax.Array) -> tuple[dict, jax.Array]:
         """Concatenates rounds and keeps rows `select_B` (whole groups, in order), grouped
         by prompt: every array's leading axis is the P prompts, so micro-batches and
         shards split whole groups."""
         g = self.group
-        cat = [jnp.concatenate([r[i] for r in rounds]) for i in range(len(rounds[0]))]
-        prompt_BxW, plen_B, comp_BxN, clen_B, clp_BxN, rewards_B, *routes = (x[select_B] for x in cat)
+        rows = {k: jnp.concatenate([r[k] for r in rounds])[select_B] for k in rounds[0]}
+        comp_BxN, clen_B = rows["completions"], rows["completion_lengths"]
         p, n = select_B.shape[0] // g, comp_BxN.shape[1]
         real_BxN = jnp.arange(n)[None, :] < clen_B[:, None]
+        trained_BxN = real_BxN & keep_B[:, None]
+        if "model_mask" in rows:  # multi-turn: observation tokens carry no loss
+            trained_BxN = trained_BxN & (rows["model_mask"] > 0)
         grouped = lambda x: x.reshape(p, g, *x.shape[1:])  # noqa: E731
-        batch = {"prompt_tokens": prompt_BxW[::g].astype(jnp.int32),
-                 "prompt_lengths": plen_B[::g].astype(jnp.int32),
+        batch = {"prompt_tokens": rows["prompt_tokens"][::g].astype(jnp.int32),
+                 "prompt_lengths": rows["prompt_lengths"][::g].astype(jnp.int32),
                  "completions": grouped(jnp.where(real_BxN, comp_BxN, self.pad_id)),
                  "completion_lengths": grouped(clen_B.astype(jnp.int32)),
-                 "comp_mask": grouped((real_BxN & keep_B[:, None]).astype(jnp.float32)),
-                 "sampler_logprobs": grouped(jnp.where(real_BxN, clp_BxN, 0.0))}
-        if routes:  # routing replay: B x N x L x k
-            batch["routes"] = grouped(routes[0])
-        return batch, rewards_B
+                 "comp_mask": grouped(trained_BxN.astype(jnp.float32)),
+                 "sampler_logprobs": grouped(jnp.where(real_BxN, rows["sampler_logprobs"], 0.0))}
+        if "routes" in rows:  # routing replay: B x N x L x k
+            batch["routes"] = grouped(rows["routes"])
+        return batch, rows["rewards"]
 
     def _round_stats(self, scores: jax.Array, lengths_B: jax.Array, rewards_B: jax.Array,
                      pos: jax.Array) -> dict[str, jax.Array]:
@@ -209,6 +236,6 @@ class Collector:
                "completion/length": lengths_B.mean(),
                "completion/truncated": (lengths_B >= self.shaping.max_tokens).mean(),
                "groups/all_equal": ((r_PxG.max(-1) - r_PxG.min(-1)) <= EQUAL).mean()}
-        for f, reward in enumerate(self.engine.rewards):
-            out[f"reward/{reward.name}"] = scores[:, 1 + f].mean()
+        for f, name in enumerate(self.engine.score_names):
+            out[f"reward/{name}"] = scores[:, 1 + f].mean()
         return out

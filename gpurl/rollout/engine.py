@@ -79,6 +79,9 @@ class Rollout:
     lengths: jax.Array  # B int32: tokens generated, the stop token included
     logprobs: jax.Array  # B x N float32: log-prob of each sampled token, 0 after the stop
     routes: jax.Array | None = None  # B x N x L x k int16: routing replay's experts (Completion.routes)
+    # B x N float32: 1 on the model's own tokens, 0 on a multi-turn trajectory's
+    # observation tokens (never trained); None = every token up to the length is the model's
+    mask: jax.Array | None = None
 
 
 @dataclass(frozen=True)

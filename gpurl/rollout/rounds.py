@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from gpurl.config import ConfigError, MeshConfig, RolloutConfig
+from gpurl.config import ConfigError, EnvConfig, MeshConfig, RolloutConfig
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import rollout_mesh
 from gpurl.models.spec import ModelSpec, Params
@@ -26,6 +27,7 @@ from gpurl.models.tokenizer import Tokenizer
 from gpurl.rewards import Reward
 from gpurl.rollout.decode import stop_token_ids
 from gpurl.rollout.engine import Completion, Engine, Rollout
+from gpurl.rollout.multiturn import EnvFactory, Episodes
 from gpurl.rollout.prompts import Prompts
 from gpurl.rollout.scoring import RowContext, ShardedScorer
 
@@ -52,29 +54,52 @@ class Round:
     arrays are in device-row order (each process's rows, padding last) and sharded over
     the rollout mesh."""
 
-    rollout: Rollout  # tokens B x N, lengths B, sampler logprobs B x N
+    rollout: Rollout  # tokens B x N, lengths B, sampler logprobs B x N (multi-turn: mask B x N)
     prompt_tokens: jax.Array  # B x W, rows as the rollout
     prompt_lengths: jax.Array  # B
-    # B x (2 + functions): weighted total, each function's score, failed (`ShardedScorer`)
+    # B x (2 + functions): weighted total, each function's score, failed (`ShardedScorer`);
+    # with an environment its trajectory reward is column 1 and in the total
     scores: jax.Array
     row_ids: jax.Array  # B: the global row of each device row; -1 marks padding
     positions: np.ndarray  # host, one per global row r: its device row
     rollout_s: float
     reward_s: float
     engine: dict[str, float]  # the rollout engine's counts (`Engine.stats`)
+    env: jax.Array | None = None  # B x 3 with an environment: trajectory reward, turns, error
 
 
 class RolloutEngine:
-    """Samples `group` completions per prompt on the rollout mesh and scores them."""
+    """Samples `group` completions per prompt on the rollout mesh and scores them. With an
+    environment (`env.name`) a completion is a multi-turn trajectory (`multiturn`): its
+    model turns and the environment's observations, `env.max_tokens` wide; its reward is
+    the environment's plus the reward functions' score of the last model turn."""
 
     def __init__(self, spec: ModelSpec, tokenizer: Tokenizer, rollout: RolloutConfig,
                  mesh: MeshConfig, rewards: Sequence[Reward], prompt_width: int,
-                 devices: Sequence[jax.Device] | None = None):
+                 devices: Sequence[jax.Device] | None = None, env: EnvConfig | None = None):
         self.tokenizer, self.rewards, self.prompt_width = tokenizer, list(rewards), prompt_width
+        self.env = env if env is not None and env.on else None
+        stop = tuple(rollout.stop) + (tuple(self.env.stop) if self.env else ())
+        self.factory = EnvFactory(self.env) if self.env else None
         self.sampler = Engine(spec, rollout, rollout_mesh(mesh, devices), mesh.sample_rules,
-                              stop_ids=stop_token_ids(tokenizer, rollout.stop),
-                              pad_id=tokenizer.pad_id)
-        self.scorer = ShardedScorer(self.sampler.mesh, self.rewards, tokenizer, rollout.stop)
+                              stop_ids=stop_token_ids(tokenizer, stop), pad_id=tokenizer.pad_id)
+        self.scorer = ShardedScorer(self.sampler.mesh, self.rewards, tokenizer, stop)
+        # completion width: a trajectory's tokens after the prompt, or one completion's
+        self.width = self.env.max_tokens if self.env else rollout.max_new_tokens
+        self.stop = stop
+        self.episodes: Episodes | None = None  # the last round's (a test counts its steps)
+        self._with_env = jax.jit(_with_env)
+
+    @property
+    def score_names(self) -> list[str]:
+        """Names of the score columns after the total: the environment's, the functions'."""
+        return (["env"] if self.env else []) + [r.name for r in self.rewards]
+
+    @property
+    def plan_width(self) -> int:
+        """The longest prompt a request can have: with an environment, a resumed turn's
+        prompt holds the trajectory so far."""
+        return self.prompt_width + (self.width if self.env else 0)
 
     def padded_rows(self, rows: int) -> int:
         """This process's rows rounded up to a multiple of its rollout data shards."""
@@ -94,23 +119,46 @@ class RolloutEngine:
         tokens += [prompts.tokens[0]] * (padded - per)
         local_seeds = np.zeros(padded, np.uint32)
         local_seeds[:per] = seeds[rank * per:(rank + 1) * per]
-        t0 = time.perf_counter()
-        done = self.sampler.generate(params, [self.sampler.request(t, s, temperature=temperature)
-                                              for t, s in zip(tokens, local_seeds)],
-                                     prefill_width=self.prompt_width)
-        rollout = self._rollout(done)
-        prompt_tokens, prompt_lengths = self._prompts(tokens)  # the trainer's sequences reuse them
         local_ids = np.full(padded, -1, np.int32)
         local_ids[:per] = np.where(ids >= 0, rank * per + np.arange(per), -1)
+        requests = [self.sampler.request(t, s, max_new_tokens=self._turn_tokens(),
+                                         temperature=temperature)
+                    for t, s in zip(tokens, local_seeds)]
+        t0 = time.perf_counter()
+        env = None
+        if self.env:
+            rows = [prompts.rows[i] if i >= 0 else None for i in ids] + [None] * (padded - per)
+            self.episodes = Episodes(self.factory, self.tokenizer, self.stop, self.width,
+                                     self.sampler.cfg.max_new_tokens, self.sampler.routes_shape)
+            requests = self.episodes.begin(rows, local_ids.tolist(), requests)
+            self.sampler.generate(params, requests, resume=self.episodes.resume,
+                                  prefill_width=self.prompt_width)
+            arrays = self.episodes.arrays(self.width, self.sampler.pad_id)
+            put = functools.partial(jax.make_array_from_process_local_data, self.sampler.rows)
+            rollout = Rollout(put(arrays["tokens"]), put(arrays["lengths"]), put(arrays["logprobs"]),
+                              put(arrays["routes"]) if "routes" in arrays else None,
+                              put(arrays["mask"]))
+            scored = (put(arrays["final"]), put(arrays["final_lengths"]))
+            env = put(arrays["env"])
+        else:
+            done = self.sampler.generate(params, requests, prefill_width=self.prompt_width)
+            rollout = self._rollout(done)
+            scored = (rollout.tokens, rollout.lengths)
+        prompt_tokens, prompt_lengths = self._prompts(tokens)  # the trainer's sequences reuse them
         t1 = time.perf_counter()
         global_rows = [prompts.rows[i] if i >= 0 else prompts.rows[0] for i in indices]
         row_ids = jax.make_array_from_process_local_data(self.sampler.rows, local_ids)
-        scores = self.scorer(rollout.tokens, rollout.lengths, row_ids,
-                             RowContext(global_rows, group))
+        scores = self.scorer(*scored, row_ids, RowContext(global_rows, group))
+        if env is not None:
+            scores = self._with_env(scores, env, row_ids)
         # Device row of global row r: processes hold `padded` rows each, real ones first.
         positions = (np.arange(count)[:, None] * padded + np.arange(per)[None]).reshape(-1)
         return Round(rollout, prompt_tokens, prompt_lengths, scores, row_ids, positions,
-                     t1 - t0, time.perf_counter() - t1, dict(self.sampler.stats))
+                     t1 - t0, time.perf_counter() - t1, dict(self.sampler.stats), env)
+
+    def _turn_tokens(self) -> int:
+        """Tokens a first request may draw: a turn's limit, within the trajectory's."""
+        return min(self.sampler.cfg.max_new_tokens, self.width)
 
     def _rollout(self, done: list[Completion]) -> Rollout:
         """This process's completions as the global row-sharded Rollout (B x N)."""
@@ -147,7 +195,8 @@ class RolloutEngine:
                  seed: int) -> dict[str, float]:
         """Greedy accuracy on `prompts` (`params` in the rollout layout), and pass@k with k
         samples each at the rollout temperature (pass@1 = the mean of those samples): a
-        completion is correct when the first reward function gives it >= 1."""
+        completion is correct when the first reward function (with an environment: the
+        environment's trajectory reward) gives it >= 1."""
         greedy = self._scores(params, prompts, 1, 0.0, batch_rows, seed)
         out = {"eval/accuracy": float((greedy[:, 0, 1] >= CORRECT).mean()),
                "eval/reward": float(greedy[:, 0, 0].mean())}
@@ -172,3 +221,10 @@ class RolloutEngine:
             scores = to_host(r.scores)[r.positions]
             chunks.append(scores.reshape(len(idx), k, -1)[idx >= 0])
         return np.concatenate(chunks)
+
+
+def _with_env(scores: jax.Array, env_Bx3: jax.Array, row_ids_B: jax.Array) -> jax.Array:
+    """The scorer's columns with the environment's trajectory reward added to the total
+    and inserted as column 1 (padding rows 0)."""
+    reward_B = jnp.where(row_ids_B >= 0, env_Bx3[:, 0], 0.0)
+    return jnp.concatenate([(scores[:, 0] + reward_B)[:, None], reward_B[:, None], scores[:, 1:]], 1)

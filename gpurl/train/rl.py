@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpurl.algorithms.rl import RLContext, RLInputs
-from gpurl.config import (Config, ConfigError, DataConfig, MeshConfig, PolicyGradientConfig,
+from gpurl.config import (Config, ConfigError, DataConfig, EnvConfig, MeshConfig, PolicyGradientConfig,
                           RewardsConfig, RolloutConfig, TrainConfig)
 from gpurl.data.sources import default_rewards, load_prompts
 from gpurl.distributed import runtime
@@ -56,7 +56,7 @@ class RLStepper(Stepper):
     @classmethod
     def build(cls, setup: Setup, cfg: Config) -> "RLStepper":
         return cls(setup, cfg.algo, cfg.data, cfg.train, cfg.rollout, cfg.mesh, cfg.rewards,
-                   lora_base=cfg.model.lora.rank > 0)
+                   lora_base=cfg.model.lora.rank > 0, env=cfg.env)
 
     @staticmethod
     def trainer_devices(mesh: MeshConfig) -> Sequence[jax.Device]:
@@ -64,7 +64,7 @@ class RLStepper(Stepper):
 
     def __init__(self, setup: Setup, algo: PolicyGradientConfig, data: DataConfig,
                  train: TrainConfig, rollout: RolloutConfig, mesh: MeshConfig,
-                 rewards: RewardsConfig, lora_base: bool):
+                 rewards: RewardsConfig, lora_base: bool, env: EnvConfig | None = None):
         self.setup, self.algo, self.train = setup, algo, train
         spec, place = setup.spec, setup.place
         self.prompts, self.evals, self.skipped = _prompts(data, setup)
@@ -78,16 +78,19 @@ class RLStepper(Stepper):
                             if algo.reward_model else None)
         self._rm_shardings = (reward_model_shardings(self.reward_spec, place.mesh, mesh.train_rules)
                               if self.reward_spec is not None else None)
-        self.functions = load_rewards(rewards, default_rewards(data))
+        # With an environment its reward is the task's; reward functions apply when named.
+        multi_turn = env is not None and env.on
+        self.functions = load_rewards(rewards, [] if multi_turn else default_rewards(data))
         longest = max(len(t) for t in self.prompts.tokens + (self.evals.tokens if self.evals else []))
         self.engine = RolloutEngine(spec.policy, setup.tokenizer, rollout, mesh, self.functions,
-                                    bucket(longest, MIN_PROMPT_BUCKET), placement_devices(mesh)[1])
+                                    bucket(longest, MIN_PROMPT_BUCKET), placement_devices(mesh)[1],
+                                    env=env)
         self.sync = WeightSync(spec.policy_params(place.state.params),
                                self.engine.sampler.param_shardings)
         self._check_rows()
         # With a reward model and no reward functions named, the functions (the data's
         # answer check) only report; the reward model's score is the reward.
-        shaping = Shaping(rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty,
+        shaping = Shaping(self.engine.width, algo.overlong_buffer, algo.overlong_penalty,
                           0.0 if self.reward_spec is not None and not rewards.functions else 1.0)
         self.collector = Collector(
             self.engine, self.prompts, group=algo.num_generations, batch_size=train.batch_size,
@@ -125,7 +128,7 @@ class RLStepper(Stepper):
     def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The prepared batch's shapes: the collector's arrays through the prepare step."""
         p, g = self.train.batch_size, self.algo.num_generations
-        n, w = self.engine.sampler.cfg.max_new_tokens, self.engine.prompt_width
+        n, w = self.engine.width, self.engine.prompt_width
         i32, f32 = jnp.int32, jnp.float32
         sds = jax.ShapeDtypeStruct
         collected = {"prompt_tokens": sds((p, w), i32), "prompt_lengths": sds((p,), i32),
@@ -182,7 +185,7 @@ class RLStepper(Stepper):
             state = (shard_bytes(place.abstract_state.params, place.state.params)
                      + shard_bytes(place.abstract_state.opt_state, place.state.opt_state))
             resident = state - self._sampling_copy()[1] + self._frozen_bytes()
-        return plan_rollout(sampler, rows // runtime.process_count(), self.engine.prompt_width,
+        return plan_rollout(sampler, rows // runtime.process_count(), self.engine.plan_width,
                             group, resident, limit)
 
     def plan_prompt_len(self, tokens: int) -> None:
@@ -191,7 +194,7 @@ class RLStepper(Stepper):
         self.engine.prompt_width = bucket(tokens, MIN_PROMPT_BUCKET)
 
     def describe(self) -> str:
-        names = ", ".join(r.name for r in self.functions)
+        names = ", ".join(self.engine.score_names) or "none"
         if self.reward_spec is not None:
             names = (f"reward model {self.algo.reward_model}"
                      + (f" + {names}" if self.collector.shaping.function_weight
