@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 EXTRAS ?= dev
 
-.PHONY: install slurm train test test-fast clean
+.PHONY: install slurm train train-env test test-fast clean
 
 $(BIN)/gpurl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ slurm:
 # The main job. ARGS takes Hydra overrides: make train ARGS="train.steps=10"
 train: install
 	$(BIN)/gpurl train $(ARGS)
+
+# The multi-turn job: GRPO with a calculator tool on the real Gemma 3 270M (README).
+train-env: install
+	$(BIN)/gpurl train env=calculator $(ARGS)
 
 # The full test suite (CPU; several forced host devices per test process).
 test: install slurm

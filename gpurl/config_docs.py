@@ -26,7 +26,6 @@ from typing import Any
 
 import yaml
 
-from gpurl import config as config_module
 from gpurl.algorithms import registry
 from gpurl.cli.compose import config_dir
 from gpurl.config import AlgoConfig, Config, EvalConfig, GenerateConfig
@@ -92,9 +91,11 @@ def _default(f: dataclasses.Field) -> Any:
 def field_docs(cls: type, source: str | None = None, own: bool = False) -> list[FieldDoc]:
     """The documented keys of one config dataclass in source order (groups, i.e. nested
     dataclasses, have sections of their own); raises ValueError naming any undocumented key.
-    `source` is the module text that defines `cls` (default: gpurl/config.py); `own`: only
-    the keys `cls` adds to its bases (not those whose default it changes)."""
-    source = source if source is not None else Path(config_module.__file__).read_text()
+    `source` is the module text that defines `cls` (default: the file of its module, e.g.
+    gpurl/config.py); `own`: only the keys `cls` adds to its bases (not those whose default
+    it changes)."""
+    if source is None:
+        source = Path(sys.modules[cls.__module__].__file__).read_text()
     tree = ast.parse(source)
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     text, alone = _comments(source)

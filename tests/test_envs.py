@@ -263,3 +263,24 @@ def test_recorded_trajectories_train_sft_on_model_turns_only(tmp_path, capsys):
         want += [1.0]  # EOS
         got = encoded.loss_mask[b]
         assert got[:len(want)].tolist() == [0.0] + want[1:] and not got[len(want):].any()
+
+
+@pytest.mark.e2e
+def test_ppo_trains_on_guess_the_number_trajectories(tmp_path):
+    """PPO with its critic on multi-turn trajectories (GAE over the model's tokens): the
+    run completes with finite losses and the environment's metrics."""
+    cfg = make_config(
+        algo={"name": "ppo", "num_generations": 2}, model=dict(TINY_MODEL, tokenizer="bytes"),
+        data={"name": "guess_number", "num_train": 32, "num_eval": 0, "max_len": 256, "few_shot": 1},
+        optim={"lr": 1e-3, "warmup_steps": 0, "decay": "constant"},
+        train={"steps": 2, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0},
+        rollout={"max_new_tokens": 4, "stop": ["\n"]},
+        env={"name": "guess_number", "max_turns": 3, "max_tokens": 32},
+        logger={"progress": False}, run={"dir": str(tmp_path / "ppo")})
+    train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "ppo/metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in rows if "env/turns" in x]
+    assert len(steps) == 2
+    for x in steps:
+        assert np.isfinite([x["loss"], x["values/mean"], x["returns/mean"]]).all()
+        assert x["env/observation_tokens"] > 0 and 1 <= x["env/turns"] <= 3

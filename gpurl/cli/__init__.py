@@ -30,6 +30,7 @@ from gpurl.commands.generate import generate
 from gpurl.commands.plan import plan
 from gpurl.config import ConfigError, EvalConfig, GenerateConfig
 from gpurl.distributed import runtime
+from gpurl.envs import EnvError
 from gpurl.rewards import RewardError
 from gpurl.train.loop import train
 from gpurl.train.plots import plot_runs
@@ -62,7 +63,7 @@ def _train_job(cfg_node: Any) -> Any:
         cfg_node.logger.group = Path(hydra_cfg.sweep.dir).name  # wandb groups a sweep's jobs
     try:
         summary = train(to_config(cfg_node))
-    except (ConfigError, RewardError, NonFiniteError) as e:
+    except (ConfigError, RewardError, EnvError, NonFiniteError) as e:
         _fail(str(e))
     if multirun and runtime.is_main_process():
         job = {"num": hydra_cfg.job.num, "overrides": list(hydra_cfg.overrides.task),
@@ -74,14 +75,14 @@ def _train_job(cfg_node: Any) -> Any:
 def _generate_job(cfg_node: Any) -> None:
     try:
         generate(to_config(cfg_node, GenerateConfig))
-    except ConfigError as e:
+    except (ConfigError, EnvError) as e:
         _fail(str(e))
 
 
 def _eval_job(cfg_node: Any) -> None:
     try:
         evaluate(to_config(cfg_node, EvalConfig))
-    except ConfigError as e:
+    except (ConfigError, RewardError, EnvError) as e:
         _fail(str(e))
 
 

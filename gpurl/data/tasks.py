@@ -8,6 +8,7 @@ changing it), and shaped by its own fields of `cfg` (a DataConfig).
 from __future__ import annotations
 
 import json
+import re
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -149,18 +150,33 @@ def countdown(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict]
     return items
 
 
-# Word-problem templates of the calculator task: {a} and {b} are the operands, by operator.
-_WORD_PROBLEMS = {
-    "+": ("Sam has {a} apples and buys {b} more. How many apples does Sam have now?",
-          "A shop sold {a} pens in the morning and {b} pens in the afternoon. How many pens did it sell?",
-          "A bus carries {a} people and {b} more get on. How many people are on the bus?"),
-    "-": ("Sam has {a} apples and gives away {b}. How many apples does Sam have left?",
-          "A tank holds {a} liters and {b} liters leak out. How many liters are left?",
-          "A library had {a} books and lent out {b}. How many books are still there?"),
-    "*": ("A box holds {a} eggs. How many eggs are in {b} boxes?",
-          "A ticket costs {a} dollars. How much do {b} tickets cost?",
-          "A farmer plants {b} rows of {a} trees. How many trees does he plant?"),
-}
+# The calculator task's word problems: (question, expression) with numbers {a} {b} {c},
+# two different names {n} {m} and an item {i}. Two-step problems need the whole expression
+# in one call (or two calls).
+_WORD_PROBLEMS = (
+    ("{n} has {a} {i}. {m} gives {n} {b} more. How many {i} does {n} have now?", "{a} + {b}"),
+    ("On Monday {n} read {a} pages and on Tuesday {b} pages. How many pages did {n} read in all?",
+     "{a} + {b}"),
+    ("{n} had {a} {i} and lost {b} of them. How many {i} are left?", "{a} - {b}"),
+    ("A bus has {a} people. At a stop, {b} people get off. How many people are still on the bus?",
+     "{a} - {b}"),
+    ("Each box has {a} {i}. How many {i} are in {b} boxes?", "{a} * {b}"),
+    ("{n} earns {a} dollars a day. How many dollars does {n} earn in {b} days?", "{a} * {b}"),
+    ("{n} has {a} {i}, buys {b} more and then gives {c} away. How many {i} does {n} have?",
+     "{a} + {b} - {c}"),
+    ("{n} buys {a} packs with {b} {i} in each pack and finds {c} more. How many {i} does {n} have?",
+     "{a} * {b} + {c}"),
+)
+_NAMES = ("Sam", "Mia", "Tom", "Ana", "Ben", "Lily", "Omar", "Zoe")
+_ITEMS = ("apples", "stickers", "marbles", "books", "coins", "shells", "pens", "cards")
+# Two worked problems before every question: Gemma 3 270M writes a well-formed call after
+# them on every held-out problem, and prompts stay under 256 tokens (measured,
+# docs/environments.md). Other demonstrations come from data.few_shot.
+_CALCULATOR_DEMOS = (
+    ("A shop had 84 pens and sold 29 of them. How many pens are left?", "84 - 29", 55),
+    ("Mia buys 12 bags with 15 marbles in each bag and then loses 9. How many marbles does "
+     "Mia have?", "12 * 15 - 9", 171),
+)
 
 
 def tool_call(name: str, **arguments: object) -> str:
@@ -168,23 +184,56 @@ def tool_call(name: str, **arguments: object) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
+def _worked(expression: str, result: object) -> str:
+    """A calculator call, its response and the answer line."""
+    return (f"{tool_call('calculator', expression=expression)}\n"
+            f"<tool_response>{result}</tool_response>\nAnswer: {result}")
+
+
 def calculator(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict]:
-    """`num` arithmetic word problems for the calculator environment (`env=calculator`),
-    the operands and operators of `arithmetic` in a sentence; the worked completion calls
-    the calculator and answers with its result (the few-shot demonstrations):
-    {"prompt": "Q: Sam has 37 apples and buys 25 more. How many apples does Sam have
-    now?\n", "completion": "<tool_call>{...\"expression\": \"37 + 25\"}}</tool_call>\n
-    <tool_response>62</tool_response>\nAnswer: 62", "answer": "62"}."""
+    """`num` arithmetic word problems for the calculator environment (`env=calculator`):
+    eight templates (+, -, *, and two two-step ones), numbers in `cfg.a_range`, positive
+    answers, templates whose operators are all in `cfg.ops`; two worked problems precede
+    each question:
+    {"prompt": "Q: A shop had 84 pens ...\nAnswer: 55\n\nQ: ...\n\nQ: Tom had 71 cards and
+    lost 23 of them. How many cards are left?\n", "completion": "<tool_call>{\"name\":
+    \"calculator\", \"arguments\": {\"expression\": \"71 - 23\"}}</tool_call>\n
+    <tool_response>48</tool_response>\nAnswer: 48", "answer": "48"}."""
+    templates = [t for t in _WORD_PROBLEMS if set(re.findall(r"[-+*]", t[1])) <= set(cfg.ops)]
+    if not templates:
+        raise ConfigError(f"data.ops={list(cfg.ops)} leaves no calculator word problem; use "
+                          f"some of +, - and *.")
+    lo, hi = cfg.a_range
+    demos = "".join(f"Q: {q}\n{_worked(e, r)}\n\n" for q, e, r in _CALCULATOR_DEMOS)
     rng = np.random.default_rng([seed, 3])
     items = []
-    for item in arithmetic(num, seed, cfg):
-        a, op, b = item["prompt"].rstrip(" =").split(" ")
-        question = _WORD_PROBLEMS[op][int(rng.integers(len(_WORD_PROBLEMS[op])))].format(a=a, b=b)
-        result = item["answer"]
-        work = (tool_call("calculator", expression=f"{a} {op} {b}") + "\n"
-                f"<tool_response>{result}</tool_response>\nAnswer: {result}")
-        items.append({"prompt": f"Q: {question}\n", "completion": work, "answer": result})
+    while len(items) < num:
+        question, expression = templates[int(rng.integers(len(templates)))]
+        a, b, c = rng.integers(lo, hi + 1, 3).tolist()
+        n, m = rng.choice(len(_NAMES), 2, replace=False).tolist()
+        values = {"a": a, "b": b, "c": c}
+        expr = expression.format(**values)
+        result = _evaluate(expr)
+        if result <= 0:
+            continue
+        text = question.format(**values, n=_NAMES[n], m=_NAMES[m],
+                               i=_ITEMS[int(rng.integers(len(_ITEMS)))])
+        items.append({"prompt": f"{demos}Q: {text}\n", "completion": _worked(expr, result),
+                      "answer": str(result)})
     return items
+
+
+def _evaluate(expression: str) -> int:
+    """The value of "a op b [op c]" with * before + and - (the templates' expressions)."""
+    tokens = expression.split()
+    terms, signs = [int(tokens[0])], [1]
+    for op, number in zip(tokens[1::2], tokens[2::2]):
+        if op == "*":
+            terms[-1] *= int(number)
+        else:
+            terms.append(int(number))
+            signs.append(1 if op == "+" else -1)
+    return sum(s * t for s, t in zip(signs, terms))
 
 
 def guess_number(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict]:

@@ -117,7 +117,6 @@ class Episodes:
         self.trajectories: list[Trajectory] = []
         self.first: list[Request] = []
         self.row_ids: list[int] = []
-        self.steps = np.zeros(0, np.int64)  # environment steps per trajectory (a test counts them)
 
     def begin(self, rows: Sequence[dict | None], row_ids: Sequence[int],
               requests: Sequence[Request]) -> list[Request]:
@@ -125,7 +124,6 @@ class Episodes:
         request of each: the prompt plus the reset observation."""
         self.first, self.row_ids = list(requests), list(row_ids)
         self.trajectories = [Trajectory() for _ in requests]
-        self.steps = np.zeros(len(requests), np.int64)
         out = []
         for i, (row, req) in enumerate(zip(rows, requests)):
             traj = self.trajectories[i]
@@ -135,8 +133,11 @@ class Episodes:
             traj.env = self._guard(i, "could not be built", lambda: self.factory.make(row))
             obs = (self._guard(i, "raised in reset()", traj.env.reset)
                    if traj.env is not None else None)
-            if not traj.error and obs:
-                self._observe(traj, obs, i)
+            fits = traj.error or not obs or self._observe(traj, obs, i)
+            if not fits and not traj.error:
+                raise ConfigError(f"environment {self.factory.name!r} said more before the first "
+                                  f"turn of row {self.row_ids[i]} than env.max_tokens="
+                                  f"{self.max_tokens} tokens leave room for; raise env.max_tokens.")
             out.append(self._next(i) if not traj.error else req)
         return out
 
@@ -155,7 +156,6 @@ class Episodes:
         if traj.env is None or traj.error:  # padding, or an environment that failed to start
             return None
         text = truncate(self.tokenizer.decode(done.tokens), self.stop)
-        self.steps[i] += 1
         step = self._guard(i, "raised in step()", lambda: _as_step(traj.env.step(text)))
         if step is None:
             return None
@@ -171,7 +171,7 @@ class Episodes:
     def arrays(self, width: int, pad_id: int) -> dict[str, np.ndarray]:
         """This process's trajectories as row arrays: tokens, logprobs, model mask (B x
         width), lengths, the last model turn (B x width, lengths), and per row the
-        trajectory reward, turns, error flag and environment steps."""
+        trajectory reward, turns and error flag."""
         b = len(self.trajectories)
         out = {"tokens": np.full((b, width), pad_id, np.int32),
                "logprobs": np.zeros((b, width), np.float32),
@@ -205,9 +205,11 @@ class Episodes:
 
     def _observe(self, traj: Trajectory, obs: Observation, i: int) -> bool:
         """Appends an observation's tokens (never trained); False when they leave no room
-        for another model token (the trajectory ends without them)."""
+        for another model token (the trajectory ends without them) or are not text."""
         text = self._guard(i, "returned an observation that is not text or chat messages",
                            lambda: observation_text(self.tokenizer, obs), timed=False)
+        if traj.error:
+            return False
         ids = self.tokenizer.encode(text) if text else []
         if len(traj.tokens) + len(ids) >= self.max_tokens:
             return False

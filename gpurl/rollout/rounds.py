@@ -87,7 +87,7 @@ class RolloutEngine:
         # completion width: a trajectory's tokens after the prompt, or one completion's
         self.width = self.env.max_tokens if self.env else rollout.max_new_tokens
         self.stop = stop
-        self.episodes: Episodes | None = None  # the last round's (a test counts its steps)
+        self.episodes: Episodes | None = None  # the last round's trajectories
         self._with_env = jax.jit(_with_env)
 
     @property
