@@ -272,8 +272,8 @@ def matmul_flops(jaxpr) -> int:
     return flops
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None),
-                                            pytest.param(40, 2.0, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("window,softcap", [(None, None), (40, 2.0)])
 def test_long_self_attention_skips_only_masked_keys(monkeypatch, window, softcap):
     """With several query chunks, `contiguous` self-attention computes each query group
     against its static key range only: outputs and gradients equal the plain masked

@@ -169,6 +169,7 @@ def test_per_request_limits_and_stops(gemma2: Tiny) -> None:
         e.generate(gemma2.params, [Request((), 2)])
 
 
+@pytest.mark.slow  # the multi-turn layout test (test_envs) resumes requests too
 def test_a_paused_request_resumes_with_appended_tokens(gemma2: Tiny) -> None:
     """A multi-turn row: after 4 tokens it gives up its slot, an environment appends 12
     tokens (the sequence outgrows the call's block tables and KV pool, which grow), and it

@@ -216,7 +216,7 @@ def test_raising_and_hanging_tools_end_their_trajectories_and_the_run_goes_on(tm
     def config(tool: str, run: str, **env):
         return make_config(
             algo={"name": "grpo", "num_generations": 4}, model=dict(TINY_MODEL, tokenizer="bytes"),
-            data={"name": "arithmetic", "num_train": 64, "num_eval": 8, "max_len": 16},
+            data={"name": "arithmetic", "num_train": 64, "num_eval": 0, "max_len": 16},
             optim={"lr": 1e-3, "warmup_steps": 0, "decay": "constant"},
             train={"steps": 1, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0,
                    "eval_batch_size": 16, "eval_pass_k": 0},
@@ -241,6 +241,7 @@ def test_raising_and_hanging_tools_end_their_trajectories_and_the_run_goes_on(tm
         train(config("rl_envs:boom", "stop", on_error="stop"))
 
 
+@pytest.mark.slow
 def test_recorded_trajectories_train_sft_on_model_turns_only(tmp_path, capsys):
     """`gpurl generate env=... record=F` writes trajectories that SFT reads: loss on the
     model's turns (and the final EOS), none on observations or the prompt."""

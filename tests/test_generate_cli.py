@@ -55,6 +55,7 @@ def test_missing_prompts_file_is_one_sentence(tmp_path):
         generate(validate([*TINY, f"prompts_file={tmp_path}/missing.jsonl"], APPS["generate"]))
 
 
+@pytest.mark.slow
 def test_prompts_file_rows_carry_their_own_limits_temperature_and_seed(tmp_path):
     rows = [{"prompt": "1 + 1 =", "max_new_tokens": 2},
             {"prompt": "1 + 1 =", "max_new_tokens": 9, "temperature": 1.0, "seed": 5},

@@ -173,6 +173,7 @@ def test_lora_grpo_two_processes_split_match_one_process(tmp_path):
                 np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
+@pytest.mark.slow
 def test_adapters_of_untargeted_layers_change_nothing_and_get_no_gradient():
     """Layers are stacked, so layer 0 carries an attn/q adapter when only layer 1's is
     targeted; its term is zeroed: setting its B changes no logit, and it gets no gradient."""

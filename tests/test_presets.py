@@ -70,6 +70,7 @@ def test_moe_preset_active_parameters(name):
     assert abs(active - ACTIVE[name]) / ACTIVE[name] < 0.02, (name, active)
 
 
+@pytest.mark.slow
 def test_layer_patterns_match_the_families():
     gemma3 = validate(["model=gemma3_270m"]).model
     assert [i for i in range(gemma3.num_layers) if gemma3.is_global(i)] == [5, 11, 17]
