@@ -85,6 +85,7 @@ class CriticBackbone(str, enum.Enum):
 class LoggerName(str, enum.Enum):
     CONSOLE = "console"
     WANDB = "wandb"
+    TENSORBOARD = "tensorboard"
 
 
 class Placement(str, enum.Enum):
@@ -460,11 +461,22 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = "arithmetic"  # source: arithmetic, arithmetic_prefs, countdown, calculator or guess_number (generated), gsm8k or jsonl (+ data.path)
-    # jsonl rows {"prompt"[,"completion"]} or {"messages"}; gsm8k rows {"question","answer"};
-    # for dpo, simpo and orpo jsonl rows {"prompt","chosen","rejected"}
+    name: str = "arithmetic"  # source: arithmetic, arithmetic_prefs, countdown, calculator or guess_number (generated), gsm8k, math or jsonl (+ data.path), hf (+ data.dataset)
+    # data=jsonl: a jsonl, json, parquet, csv or arrow file or a save_to_disk directory, in
+    # gpurl's, TRL's or verl's layout (docs/data.md); gsm8k rows {"question","answer"}; math
+    # rows {"problem","solution"[,"answer"]}; dpo, simpo and orpo rows {"prompt","chosen","rejected"}
     path: Optional[str] = None
-    eval_path: Optional[str] = None  # held-out jsonl; null = hold out data.num_eval rows of path
+    eval_path: Optional[str] = None  # held-out rows (same formats); null = hold out data.num_eval rows of path
+    dataset: Optional[str] = None  # data=hf: a dataset in the local Hugging Face cache, e.g. openai/gsm8k (never downloaded)
+    subset: Optional[str] = None  # data=hf: the dataset's config name, e.g. main; null = its default
+    split: str = "train"  # data=hf, and save_to_disk directories holding several splits: the training split
+    eval_split: Optional[str] = None  # data=hf: the held-out split, e.g. test; null = hold out data.num_eval rows
+    prompt_key: str = "prompt"  # column holding the prompt (text or a chat list)
+    completion_key: str = "completion"  # column holding the SFT reference completion
+    messages_key: str = "messages"  # column holding a whole conversation (SFT: ends with the reply)
+    answer_key: Optional[str] = None  # column of the ground truth (rewards' `answer`; dots reach nested columns); null = answer, else verl's reward_model.ground_truth
+    chosen_key: str = "chosen"  # preference pairs: column of the preferred completion
+    rejected_key: str = "rejected"  # preference pairs: column of the other completion
     max_len: int = 64  # tokens per row; longer examples are truncated (counted in the log)
     packing: bool = False  # pack several examples into one row (attention stays per example)
     chat_template: bool = False  # render prompt/completion through the tokenizer's chat template
@@ -477,20 +489,23 @@ class DataConfig:
     ops: list[str] = field(default_factory=lambda: ["+", "-"])  # arithmetic: any of +, -, * (a - b only when a >= b)
     countdown_numbers: int = 3  # countdown: numbers given per problem (2 to 6)
     countdown_max: int = 20  # countdown: numbers are drawn from 1..countdown_max
-    prompt_template: Optional[str] = None  # gsm8k: prompt with {question}; null = "Question: {question}\nAnswer:"
+    prompt_template: Optional[str] = None  # gsm8k and math: prompt with {question} (the question / problem); null = the source's own
     append_eos: bool = True  # preference pairs: end chosen and rejected with the EOS token (as SFT completions)
 
     def __post_init__(self) -> None:
         _tuplify(self)
-        _choice("data.name", self.name, ("arithmetic", "countdown", "gsm8k", "jsonl",
-                                         "arithmetic_prefs", "calculator", "guess_number"))
-        if self.name in ("jsonl", "gsm8k") and not self.path:
+        _choice("data.name", self.name, ("arithmetic", "countdown", "gsm8k", "math", "jsonl",
+                                         "hf", "arithmetic_prefs", "calculator", "guess_number"))
+        if self.name in ("jsonl", "gsm8k", "math") and not self.path:
             raise ConfigError(f"data={self.name} needs a file; set data.path=/path/to/train.jsonl.")
+        if self.name == "hf" and not self.dataset:
+            raise ConfigError("data=hf needs a dataset; set data.dataset=owner/name (one in the "
+                              "local Hugging Face cache).")
         _positive("data.max_len", self.max_len)
         _positive("data.num_train", self.num_train)
         _positive("data.num_eval", self.num_eval, allow_zero=True)
         _positive("data.few_shot", self.few_shot, allow_zero=True)
-        if self.few_shot and self.name == "jsonl":
+        if self.few_shot and self.name in ("jsonl", "hf"):
             raise ConfigError("data.few_shot needs reference completions, which jsonl rows "
                               "may lack; write the worked examples into the prompts and set "
                               "data.few_shot=0.")
@@ -507,9 +522,9 @@ class DataConfig:
                               f"use 2 to 6 numbers.")
         _positive("data.countdown_max", self.countdown_max)
         if self.prompt_template is not None and (
-                self.name != "gsm8k" or "{question}" not in self.prompt_template):
+                self.name not in ("gsm8k", "math") or "{question}" not in self.prompt_template):
             raise ConfigError(f"data.prompt_template={self.prompt_template!r} is not valid; it "
-                              f"applies to data=gsm8k and must contain {{question}}.")
+                              f"applies to data=gsm8k and data=math and must contain {{question}}.")
 
 
 @dataclass(frozen=True)
@@ -647,7 +662,7 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class LoggerConfig:
-    name: str = "console"  # console (progress bar + metrics.jsonl) or wandb (adds Weights & Biases)
+    name: str = "console"  # console (progress bar + metrics.jsonl), wandb (adds Weights & Biases) or tensorboard (adds event files in run.dir/tensorboard/)
     project: str = "gpurl"  # wandb project
     entity: Optional[str] = None  # wandb entity (team or user); null = your default
     mode: str = "auto"  # wandb mode: auto (online when WANDB_API_KEY is set, else offline), online, offline

@@ -136,25 +136,26 @@ def test_jsonl_both_forms_and_metadata(tmp_path: Path) -> None:
     assert train[0] == rows[0]
     assert train[1]["id"] == 1 and train[1]["completion"] == "a" and train[1]["prompt"] == "s\nu"
     assert train[1]["messages"] == rows[1]["messages"][:2]
-    assert eval_ == [{"prompt": "e", "completion": "f"}]
+    assert list(eval_) == [{"prompt": "e", "completion": "f"}]
 
 
 def test_jsonl_seeded_holdout(tmp_path: Path) -> None:
     path = _jsonl(tmp_path / "t.jsonl", [{"prompt": str(i), "completion": "x"} for i in range(20)])
     cfg = DataConfig(name="jsonl", path=path, num_eval=5, seed=7)
     train, eval_ = load_examples(cfg)
-    assert (train, eval_) == load_examples(cfg)
+    again = load_examples(cfg)
+    assert (list(train), list(eval_)) == (list(again[0]), list(again[1]))
     assert len(train) == 15 and len(eval_) == 5
-    assert sorted(r["prompt"] for r in train + eval_) == sorted(str(i) for i in range(20))
+    assert sorted(r["prompt"] for r in [*train, *eval_]) == sorted(str(i) for i in range(20))
     assert [int(r["prompt"]) for r in train] == sorted(int(r["prompt"]) for r in train)
 
 
 @pytest.mark.parametrize("rows,match", [
     (['{"prompt": "a", "completion": "b"}', '{"prompt": '], r"line 2 is not valid JSON"),
-    ([{"question": "a"}], r"line 1 has neither"),
-    ([{"prompt": "a", "completion": 3}], r"line 1: 'completion' is a int, not a string"),
-    ([{"messages": [{"role": "user"}]}], r"line 1: messages\[0\]\['content'\] is missing"),
-    ([{"messages": "hi"}], r"line 1: \"messages\" must be a non-empty list"),
+    ([{"question": "a"}], r"bad.jsonl has neither \"prompt\" and \"completion\" nor"),
+    ([{"prompt": "a", "completion": 3}], r"row 1: 'completion' is a int, not a string"),
+    ([{"messages": [{"role": "user"}]}], r"row 1: 'messages'\[0\]\['content'\] is missing"),
+    ([{"messages": "hi"}], r"row 1: 'messages' must be a non-empty list"),
     ([{"messages": [{"role": "user", "content": "q"}]}], r"last message has role 'user'"),
     ([[1, 2]], r"line 1 is a list, not an object"),
     ([], r"has no rows"),
@@ -163,7 +164,9 @@ def test_jsonl_seeded_holdout(tmp_path: Path) -> None:
 def test_jsonl_errors(tmp_path: Path, rows: list, match: str) -> None:
     path = _jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(ConfigError, match=match):
-        load_examples(DataConfig(name="jsonl", path=path, num_eval=3))
+        train, eval_ = load_examples(DataConfig(name="jsonl", path=path,
+                                                num_eval=3 if "num_eval" in match else 0))
+        list(train)  # file rows are converted (and checked) when read
 
 
 def test_jsonl_missing_file(tmp_path: Path) -> None:

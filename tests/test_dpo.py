@@ -134,7 +134,7 @@ def test_presets_compose():
     assert (dpo.algo.name, dpo.algo.beta, dpo.algo.dpo_loss, dpo.algo.label_smoothing) == (
         "dpo", 0.1, "sigmoid", 0.0)
     assert (dpo.data.name, dpo.data.few_shot, dpo.data.append_eos) == ("arithmetic_prefs", 4, False)
-    assert dpo.run.dir == "runs/dpo-gemma3_270m-arithmetic_prefs"
+    assert dpo.run.dir == "runs/dpo-gemma3_270m-addition_prefs"  # the data preset's name
     ipo = validate(["algo=ipo"]).algo
     assert (ipo.name, ipo.dpo_loss, ipo.beta) == ("dpo", "ipo", 0.1)
     simpo = validate(["algo=simpo"]).algo
@@ -183,11 +183,12 @@ def test_jsonl_pairs_and_errors(tmp_path):
     with pytest.raises(ConfigError, match="every train pair is longer than data.max_len=4"):
         encode_pairs(train_rows, tok, long_cfg, "train")
     path.write_text(json.dumps({"prompt": "q", "chosen": " a"}) + "\n")
-    with pytest.raises(ConfigError, match=r'line 1 has no "rejected"; preference rows are'):
+    with pytest.raises(ConfigError, match=r'prefs.jsonl has no preference pairs \(columns: '
+                                          r'chosen, prompt\); give rows'):
         load_pairs(cfg)
     path.write_text(json.dumps({"prompt": "q", "chosen": " a", "rejected": " a"}) + "\n")
-    with pytest.raises(ConfigError, match="are the same text"):
-        load_pairs(cfg)
+    with pytest.raises(ConfigError, match="row 1: \"chosen\" and \"rejected\" are the same"):
+        list(load_pairs(dataclasses.replace(cfg, num_eval=0))[0])
 
 
 # ---------------------------------------------------------------- with the model

@@ -128,12 +128,14 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_loading_reads_views_not_copies(llama_dir: Path) -> None:
+def test_loading_reads_nothing_until_a_shard_is_read(llama_dir: Path) -> None:
     views = st.open_checkpoint(llama_dir)
     w = views["model.layers.0.self_attn.q_proj.weight"]
-    assert isinstance(w.base, np.memmap) or isinstance(w.base.base, np.memmap)
     lazy = w.T.reshape(64, 4, 16)  # what load_hf_params hands to each shard callback
-    assert np.shares_memory(lazy, w)
+    assert isinstance(lazy, st.LazyTensor)
+    q = safetensors.torch.load_file(llama_dir / "model.safetensors")[
+        "model.layers.0.self_attn.q_proj.weight"].numpy()
+    np.testing.assert_array_equal(lazy[32:, 2:], q.T.reshape(64, 4, 16)[32:, 2:])
 
 
 def test_bfloat16_load_and_export_keep_bits(llama_dir: Path, tmp_path: Path) -> None:
@@ -143,8 +145,8 @@ def test_bfloat16_load_and_export_keep_bits(llama_dir: Path, tmp_path: Path) -> 
     assert params["lm_head"].dtype == jnp.bfloat16
     export_hf(params, cfg, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    header, _, _ = st.read_header(tmp_path / "model.safetensors")
-    assert {e["dtype"] for e in header.values()} == {"BF16"}
+    with safetensors.safe_open(tmp_path / "model.safetensors", framework="numpy") as f:
+        assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
     ours = safetensors.torch.load_file(tmp_path / "model.safetensors")
     for name, value in safetensors.torch.load_file(llama_dir / "model.safetensors").items():
         assert torch.equal(ours[name], value.to(torch.bfloat16)), name
@@ -288,10 +290,14 @@ def _sample() -> dict[str, np.ndarray]:
             "s": np.asarray(2.5, np.float32), "t": rng.normal(size=(3, 4)).astype(np.float32).T}
 
 
-def test_bfloat16_round_trip_agrees_with_safetensors_package(tmp_path: Path) -> None:
+def test_streamed_writer_agrees_with_safetensors_package(tmp_path: Path) -> None:
     tensors = _sample()
-    st.save_file(tensors, tmp_path / "ours.safetensors", {"format": "pt"})
-    assert st.read_header(tmp_path / "ours.safetensors")[2] % 8 == 0  # data buffer aligned
+    names = list(tensors)
+    st.write_tensors(tmp_path / "ours.safetensors", [(n, tensors[n].dtype, tensors[n].shape)
+                                                     for n in names],
+                     lambda i: tensors[names[i]], {"format": "pt"})
+    raw = (tmp_path / "ours.safetensors").read_bytes()
+    assert (8 + int.from_bytes(raw[:8], "little")) % 8 == 0  # data buffer aligned
     theirs = safetensors.torch.load_file(tmp_path / "ours.safetensors")
     back = st.open_file(tmp_path / "ours.safetensors")
     for name, value in tensors.items():
@@ -304,6 +310,36 @@ def test_bfloat16_round_trip_agrees_with_safetensors_package(tmp_path: Path) -> 
     again = st.open_file(tmp_path / "pkg.safetensors")
     np.testing.assert_array_equal(again["w"], tensors["w"])
     np.testing.assert_array_equal(again["i"], tensors["i"])
+    st.save_file(tensors, tmp_path / "dict.safetensors")  # the package's writer, C order first
+    for name, value in st.open_file(tmp_path / "dict.safetensors").items():
+        np.testing.assert_array_equal(value, tensors[name])
+
+
+class _Recorded:
+    """A stored tensor that counts the elements LazyTensor reads from it."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a, self.read = a, 0
+
+    def __getitem__(self, box: tuple) -> np.ndarray:
+        self.read += self.a[box].size
+        return self.a[box].copy()
+
+
+@pytest.mark.parametrize("ops, read", [
+    (lambda x: x.T.reshape(2, 4, 6)[1:, :, 2:5], 4 * 3),  # a shard: exactly its bytes
+    (lambda x: x.T.reshape(2, 4, 6)[:, 1:3], 6 * 8),  # an inner split sliced: whole rows
+    (lambda x: x[-1, 2:][1:].reshape(5, 1), 5),
+    (lambda x: x[2].reshape(2, 4)[1], 4),
+    (lambda x: x[:, 3].T, 6),
+    (lambda x: x[4:2], 0),
+])
+def test_lazy_tensor_agrees_with_numpy_and_reads_its_box(ops: Any, read: int) -> None:
+    a = np.arange(48, dtype=np.float32).reshape(6, 8)
+    source = _Recorded(a)
+    got = np.asarray(ops(st.LazyTensor(source, a.shape, a.dtype)))
+    np.testing.assert_array_equal(got, ops(a))
+    assert got.shape == ops(a).shape and source.read == read
 
 
 def test_sharded_checkpoint_via_index(tmp_path: Path) -> None:

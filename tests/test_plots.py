@@ -1,19 +1,23 @@
 """What a run leaves for people to look at: curves.png and `gpurl plot`, the multirun
-summary table, the progress bar, and the wandb run (offline)."""
+summary table, the progress bar, the wandb run (offline) and the TensorBoard event files."""
 
 from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from conftest import TINY_MODEL, make_config
 from gpurl.config import ConfigError, LoggerConfig
 from gpurl.train import plots
-from gpurl.train.metrics import WANDB_ID_FILE, MetricsSink, wandb_init_kwargs
+from gpurl.train.loop import train
+from gpurl.train.metrics import TENSORBOARD_DIR, WANDB_ID_FILE, MetricsSink, wandb_init_kwargs
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -129,3 +133,56 @@ def test_wandb_run_from_config_and_resumed_in_place(tmp_path, monkeypatch):
     assert ids == [stored, stored]
     offline = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and all(f"-{stored}" in name for name in offline)
+
+
+def _tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) of every scalar tag, as TensorBoard's own reader sees the event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every one
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
+
+
+@pytest.mark.e2e
+def test_tensorboard_scalars_equal_metrics_jsonl_across_a_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = make_config(model=TINY_MODEL, data={"max_len": 24, "num_train": 32, "num_eval": 8},
+                      logger={"name": "tensorboard", "progress": False},
+                      train={"steps": 4, "batch_size": 8, "eval_every": 2, "eval_batch_size": 8,
+                             "checkpoint_every": 2, "keep_checkpoints": 2},
+                      run={"dir": str(run_dir)})
+    train(cfg)
+    # A crash after step 4 was logged but before its checkpoint: the rerun resumes from
+    # step 2 and redoes steps 3 and 4 (their timings differ, so stale events would show).
+    shutil.rmtree(run_dir / "checkpoints/4")
+    train(cfg)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "step":  # TensorBoard stores a scalar as float32
+                expected.setdefault(key, []).append((row["step"], float(np.float32(value))))
+    assert {"loss", "eval/loss", "time/step_s"} <= expected.keys()
+    assert _tensorboard_scalars(run_dir / TENSORBOARD_DIR) == expected
+    assert len(list((run_dir / TENSORBOARD_DIR).glob("events.out.tfevents.*"))) == 2
+
+
+def test_tensorboard_keeps_tags_and_a_missing_package_is_one_sentence(tmp_path, monkeypatch):
+    cfg = LoggerConfig(name="tensorboard", progress=False)
+    sink = MetricsSink(cfg, tmp_path, {}, total_steps=2, start_step=0, enabled=True)
+    sink.log(1, {"eval/pass@1": 0.25, "reward/my fn": -1.5})
+    sink.close()
+    assert _tensorboard_scalars(tmp_path / TENSORBOARD_DIR) == {
+        "eval/pass@1": [(1, 0.25)], "reward/my fn": [(1, -1.5)]}
+    quiet = MetricsSink(cfg, tmp_path / "other", {}, 2, 0, enabled=False)  # not process 0
+    quiet.log(1, {"loss": 1.0})
+    quiet.close()
+    assert not (tmp_path / "other").exists()
+    for name in [m for m in sys.modules if m.split(".")[0] == "tensorboardX"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed: imports fail
+    with pytest.raises(ConfigError, match=r"^logger=tensorboard needs the tensorboardX package.*"
+                                          r"`pip install tensorboardX`"):
+        MetricsSink(cfg, tmp_path, {}, 2, 0, enabled=True)

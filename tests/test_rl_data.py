@@ -195,7 +195,7 @@ def test_gsm8k_prompts_answers_and_holdout(tmp_path: Path) -> None:
     train, eval_ = load_prompts(cfg)
     assert len(train) == 7 and len(eval_) == 3 and (train, eval_) == load_prompts(cfg)
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in eval_}
-    for row in train + eval_:
+    for row in [*train, *eval_]:
         source = GSM_ROWS[row["id"] - 998]
         assert row["prompt"] == f"Question: {source['question']}\nAnswer:"
         assert row["answer"] == str(row["id"] + 3)  # commas dropped
@@ -218,17 +218,17 @@ def test_gsm8k_few_shot_blocks_are_blank_line_separated(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("rows,match", [
-    ([{"question": "q", "answer": "4"}], r"line 1: \"answer\" has no \"####\""),
+    ([{"question": "q", "answer": "4"}], r"row 1: \"answer\" has no \"####\""),
     ([{"question": "q", "answer": "x #### four"}], r"after \"####\" is 'four', not a number"),
-    ([{"answer": "#### 4"}], r"line 1 has no \"question\"; GSM8K rows are"),
-    ([{"question": "q"}], r"line 1 has no \"answer\""),
-    ([{"question": 3, "answer": "#### 4"}], r"line 1: 'question' is a int, not a string"),
+    ([{"answer": "#### 4"}], r"bad.jsonl has no \"question\" column; data=gsm8k rows have"),
+    ([{"question": "q"}], r"bad.jsonl has no \"answer\" column"),
+    ([{"question": 3, "answer": "#### 4"}], r"row 1: 'question' is a int, not a string"),
     (['{"question": "q", "answer": "#### 4"}', "{oops"], r"line 2 is not valid JSON"),
 ])
 def test_gsm8k_errors(tmp_path: Path, rows: list, match: str) -> None:
     path = _jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(ConfigError, match=match):
-        load_prompts(DataConfig(name="gsm8k", path=path, num_eval=0))
+        list(load_prompts(DataConfig(name="gsm8k", path=path, num_eval=0))[0])
 
 
 # --- generic jsonl -------------------------------------------------------------------------
@@ -241,32 +241,32 @@ def test_jsonl_prompts_keep_metadata_without_completion(tmp_path: Path) -> None:
     path = _jsonl(tmp_path / "rl.jsonl", rows)
     train, eval_ = load_prompts(DataConfig(name="jsonl", path=path, num_eval=2, seed=0))
     assert len(train) == 6 and len(eval_) == 2
-    by_answer = {row["answer"]: row for row in train + eval_}
+    by_answer = {row["answer"]: row for row in [*train, *eval_]}
     assert by_answer[3] == rows[3]
     assert by_answer[7]["prompt"] == "hi" and by_answer[7]["messages"] == rows[6]["messages"]
     assert "completion" not in by_answer[7]
     assert by_answer[8]["prompt"] == "q" and by_answer[8]["completion"] == "ref"
-    with pytest.raises(ConfigError, match=r"line 1 has neither \"prompt\" and \"completion\""):
-        load_examples(DataConfig(name="jsonl", path=path))  # SFT still needs completions
+    with pytest.raises(ConfigError, match=r"row 1 has neither \"prompt\" and \"completion\""):
+        list(load_examples(DataConfig(name="jsonl", path=path, num_eval=0))[0])  # SFT: completions
 
 
 def test_jsonl_prompt_errors(tmp_path: Path) -> None:
     path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "a"}, {"question": "b"}])
-    with pytest.raises(ConfigError, match=r"line 2 has neither \"prompt\" nor \"messages\""):
-        load_prompts(DataConfig(name="jsonl", path=path))
+    with pytest.raises(ConfigError, match=r"row 2 has neither a \"prompt\" nor a \"messages\""):
+        list(load_prompts(DataConfig(name="jsonl", path=path, num_eval=0))[0])
     path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": 1}])
-    with pytest.raises(ConfigError, match=r"line 1: 'completion' is a int"):
-        load_prompts(DataConfig(name="jsonl", path=path))
+    with pytest.raises(ConfigError, match=r"row 1: 'completion' is a int"):
+        list(load_prompts(DataConfig(name="jsonl", path=path, num_eval=0))[0])
 
 
 # --- default rewards -----------------------------------------------------------------------
 
 def test_every_source_has_default_rewards_that_resolve() -> None:
-    names = {"arithmetic", "arithmetic_prefs", "countdown", "gsm8k", "jsonl", "calculator",
-             "guess_number"}
+    names = {"arithmetic", "arithmetic_prefs", "countdown", "gsm8k", "math", "jsonl", "hf",
+             "calculator", "guess_number"}
     assert set(TASK_REWARDS) == names
     for name in names:
-        cfg = DataConfig(name=name, path="x.jsonl")
+        cfg = DataConfig(name=name, path="x.jsonl", dataset="owner/name")
         assert default_rewards(cfg) == TASK_REWARDS[name] and load(default_rewards(cfg))
     assert default_rewards(ADDITION) == ["first_number_match"]
     # The real model's few-shot completion: the answer, then an invented example line.

@@ -20,9 +20,10 @@ from typing import Any, Callable, Sequence
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import MissingConfigException, OverrideParseException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 import gpurl
@@ -196,9 +197,13 @@ def validate(overrides: list[str], app: App = APPS["train"]) -> Any:
         GlobalHydra.instance().clear()
         with initialize_config_dir(str(config_dir()), version_base="1.3", job_name="gpurl"):
             try:
-                composed = compose(app.config_name, overrides=values)
+                composed = compose(app.config_name, overrides=values, return_hydra_config=True)
             except Exception as e:  # noqa: BLE001
                 raise ConfigError(_explain(e, values, app)) from None
+            # ${hydra:runtime.choices.data} (run.dir) resolves as in a real run
+            HydraConfig.instance().set_config(composed)
+            with open_dict(composed):
+                del composed["hydra"]
             converted = to_config(composed, app.schema)
             cfg = cfg or converted
     GlobalHydra.instance().clear()

@@ -1,6 +1,7 @@
 """Preference pairs for DPO, SimPO and ORPO: {"prompt", "chosen", "rejected"} rows -> arrays.
 
-Sources: `data=jsonl` files of such rows (`data.eval_path`, or a seeded hold-out of
+Sources: data files or cached HF datasets of such rows (TRL's explicit- and implicit-
+prompt layouts too, `layouts.py`; `data.eval_path`, or a seeded hold-out of
 `data.num_eval` rows), and the built-in `data=addition_prefs` (`arithmetic_prefs` items:
 the correct answer against a plausible wrong one, with few-shot prompts). Other fields of
 a row (e.g. "answer") are kept: held-out task accuracy reads them.
@@ -13,13 +14,14 @@ goes through the model once for both completions (`group_logprobs` with G = 2).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gpurl.config import ConfigError, DataConfig
 from gpurl.data.sft import _chat_texts
-from gpurl.data.sources import _expect_str, _hold_out, _json_objects, load_examples
+from gpurl.data.sources import load_examples, load_rows
 
 if TYPE_CHECKING:
     from gpurl.models.tokenizer import Tokenizer
@@ -29,40 +31,14 @@ PAIR_FIELDS = ("prompt", "chosen", "rejected")
 PAIR_TASKS = ("arithmetic_prefs",)
 
 
-def load_pairs(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+def load_pairs(cfg: DataConfig) -> tuple[Sequence[dict], Sequence[dict]]:
     """(train, eval) preference rows; the two never share a prompt."""
     if cfg.name in PAIR_TASKS:
         return load_examples(cfg)
-    if cfg.name != "jsonl":
-        raise ConfigError(f"data={cfg.name} has no preference pairs; use data=addition_prefs or "
-                          'data=jsonl with {"prompt", "chosen", "rejected"} rows.')
-    rows = _read_pairs(cfg.path, "data.path")
-    if cfg.eval_path:
-        train, eval_ = rows, _read_pairs(cfg.eval_path, "data.eval_path")
-    else:
-        train, eval_ = _hold_out(rows, cfg)
-    held_out = {row["prompt"] for row in eval_}
-    train = [row for row in train if row["prompt"] not in held_out]
-    if not train:
-        raise ConfigError("every training prompt of data.path is also held out; give "
-                          "data.eval_path other prompts or lower data.num_eval.")
-    return train, eval_
-
-
-def _read_pairs(path: str | None, key: str) -> list[dict]:
-    pairs = []
-    for where, row in _json_objects(path, key):
-        missing = [f for f in PAIR_FIELDS if f not in row]
-        if missing:
-            raise ConfigError(f'{where} has no "{missing[0]}"; preference rows are '
-                              '{"prompt": ..., "chosen": ..., "rejected": ...}.')
-        for field in PAIR_FIELDS:
-            _expect_str(row[field], f"{where}: {field!r}")
-        if row["chosen"] == row["rejected"]:
-            raise ConfigError(f'{where}: "chosen" and "rejected" are the same text; a pair '
-                              "needs two different completions, so fix or drop that row.")
-        pairs.append(row)
-    return pairs
+    if cfg.name not in ("jsonl", "hf"):
+        raise ConfigError(f"data={cfg.name} has no preference pairs; use data=addition_prefs, "
+                          'or data=jsonl / data=hf with {"prompt", "chosen", "rejected"} rows.')
+    return load_rows(cfg, "pairs")
 
 
 @dataclass(frozen=True)
@@ -118,8 +94,9 @@ def encode_pairs(rows: list[dict], tokenizer: Tokenizer, cfg: DataConfig, what: 
 def _texts(row: dict, tokenizer: Tokenizer, chat: bool) -> tuple[str, str, str]:
     if not chat:
         return row["prompt"], row["chosen"], row["rejected"]
-    prompt, chosen = _chat_texts({"prompt": row["prompt"], "completion": row["chosen"]}, tokenizer)
-    _, rejected = _chat_texts({"prompt": row["prompt"], "completion": row["rejected"]}, tokenizer)
+    context = {k: row[k] for k in ("prompt", "messages") if row.get(k)}
+    prompt, chosen = _chat_texts({**context, "completion": row["chosen"]}, tokenizer)
+    _, rejected = _chat_texts({**context, "completion": row["rejected"]}, tokenizer)
     return prompt, chosen, rejected
 
 

@@ -1,34 +1,43 @@
-"""Where rows come from: a generated task, a GSM8K-format file or a jsonl file.
+"""Where rows come from: a generated task, a data file, or a dataset in the HF cache.
 
 `load_prompts` gives RL rows: a `prompt` (the complete text fed to the model, worked
 examples included) and metadata, which reward functions receive by name: `answer` for
-tasks and GSM8K, every other field of a jsonl row. `load_examples` gives SFT rows, which
-must also have a `completion`. Rows given as chat `messages` keep `messages`: the
-conversation before the final assistant turn, for rendering through a chat template.
+tasks, GSM8K and MATH, every other column of a file's rows. `load_examples` gives SFT rows,
+which also have a `completion`; `load_rows(cfg, "pairs")` preference pairs. Rows given as
+chat `messages` keep `messages`: the conversation before the final assistant turn, for
+rendering through a chat template. Files are read through `datasets` (`tables.py`) in any
+layout of `layouts.py` (gpurl's, TRL's, verl's); their rows stay memory-mapped and are
+converted when read.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from gpurl.config import ConfigError, DataConfig
+from gpurl.data.layouts import converter, expect_str
+from gpurl.data.tables import Rows, columns, open_hub, open_table
 from gpurl.data.tasks import TASKS
 
-# GSM8K prompt unless data.prompt_template replaces it; the reference completion is
-# " " + the row's answer (reasoning, then "#### 72").
+# GSM8K and MATH prompts unless data.prompt_template replaces them ({question} is the
+# row's question / problem); the reference completion is " " + the worked solution.
 GSM8K_TEMPLATE = "Question: {question}\nAnswer:"
+MATH_TEMPLATE = "Problem: {question}\nGive the final answer as \\boxed{...}.\nSolution:"
 
 # Reward functions of each source when a run names none (see gpurl.rewards.builtin).
-# Few-shot arithmetic completions start with the answer, then invent more example lines.
+# Few-shot arithmetic completions start with the answer, then invent more example lines;
+# GSM8K and MATH answers are compared as mathematics (LaTeX, fractions, units).
 TASK_REWARDS: dict[str, list[str]] = {
     "arithmetic": ["first_number_match"], "arithmetic_prefs": ["first_number_match"],
     "countdown": ["countdown"], "calculator": ["numeric_match"], "guess_number": ["numeric_match"],
-    "gsm8k": ["numeric_match"], "jsonl": ["numeric_match"]}
+    "gsm8k": ["math_verify"], "math": ["math_verify"], "jsonl": ["numeric_match"],
+    "hf": ["numeric_match"]}
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -38,33 +47,44 @@ def default_rewards(cfg: DataConfig) -> list[str]:
     return list(TASK_REWARDS[cfg.name])
 
 
-def load_prompts(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+def load_prompts(cfg: DataConfig) -> tuple[Sequence[dict], Sequence[dict]]:
     """(train, eval) RL rows: "prompt" plus metadata; the two never share a prompt."""
-    return _load(cfg, need_completion=False)
+    return load_rows(cfg, "prompts")
 
 
-def load_examples(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+def load_examples(cfg: DataConfig) -> tuple[Sequence[dict], Sequence[dict]]:
     """(train, eval) SFT rows: "prompt" and "completion"; the two never share a prompt."""
-    return _load(cfg, need_completion=True)
+    return load_rows(cfg, "examples")
 
 
-def _load(cfg: DataConfig, need_completion: bool) -> tuple[list[dict], list[dict]]:
+def load_rows(cfg: DataConfig, need: str) -> tuple[Sequence[dict], Sequence[dict]]:
+    """(train, eval) rows for `need` (prompts, examples or pairs); never a shared prompt."""
     if cfg.name not in _SOURCES:
         raise ConfigError(f"data.name={cfg.name!r} is not a known source; use one of: "
                           f"{', '.join(_SOURCES)}.")
-    train, eval_ = _SOURCES[cfg.name](cfg, need_completion)
+    train, eval_ = _SOURCES[cfg.name](cfg, need)
     # Generated tasks repeat items once their distinct problems run out, and files may
     # repeat a prompt: keep held-out prompts unseen.
-    held_out = {row["prompt"] for row in eval_}
-    train = [row for row in train if row["prompt"] not in held_out]
-    if not train:
+    train = _without(train, eval_)
+    if not len(train):
         raise ConfigError(f"every training prompt of data={cfg.name} is also held out; give "
                           f"data.eval_path other prompts or lower data.num_eval.")
     return _add_few_shot(cfg, train, eval_)
 
 
-def _add_few_shot(cfg: DataConfig, train: list[dict],
-                  eval_: list[dict]) -> tuple[list[dict], list[dict]]:
+def _without(train: Sequence[dict], eval_: Sequence[dict]) -> Sequence[dict]:
+    """`train` less the rows whose prompt is held out (file rows: compared by their raw
+    prompt column, read a chunk at a time, so no row is converted)."""
+    if isinstance(train, Rows) and isinstance(eval_, Rows):
+        held_out = set(eval_.keys())
+        keep = [i for i, key in enumerate(train.keys()) if key not in held_out]
+        return train if len(keep) == len(train) else train.take(np.asarray(keep, np.int64))
+    held_out = {row["prompt"] for row in eval_}
+    return [row for row in train if row["prompt"] not in held_out]
+
+
+def _add_few_shot(cfg: DataConfig, train: Sequence[dict],
+                  eval_: Sequence[dict]) -> tuple[Sequence[dict], Sequence[dict]]:
     """Prepends `cfg.few_shot` worked examples, drawn from the training rows, to every
     prompt: "13 + 8 = 21\n...\n27 + 5 =". Each prompt gets its own draw (never itself,
     never a held-out row): one fixed set would teach every prompt the same accidental
@@ -89,38 +109,120 @@ def _add_few_shot(cfg: DataConfig, train: list[dict],
     return [with_prefix(row) for row in train], [with_prefix(row) for row in eval_]
 
 
-def _task_rows(cfg: DataConfig, need_completion: bool) -> tuple[list[dict], list[dict]]:
+def _task_rows(cfg: DataConfig, need: str) -> tuple[list[dict], list[dict]]:
     items = TASKS[cfg.name](cfg.num_train + cfg.num_eval, cfg.seed, cfg)
     return items[:cfg.num_train], items[cfg.num_train:]
 
 
-def _jsonl_rows(cfg: DataConfig, need_completion: bool) -> tuple[list[dict], list[dict]]:
-    rows = read_jsonl(cfg.path, "data.path", need_completion)
+def _file_rows(cfg: DataConfig, need: str) -> tuple[Sequence[dict], Sequence[dict]]:
+    """data=jsonl (any file format) and data=hf: rows in gpurl's, TRL's or verl's layout."""
+    rows = _table_rows(cfg, cfg.path, "data.path", need)
     if cfg.eval_path:
-        return rows, read_jsonl(cfg.eval_path, "data.eval_path", need_completion)
+        return rows, _table_rows(cfg, cfg.eval_path, "data.eval_path", need)
     return _hold_out(rows, cfg)
 
 
-def _gsm8k_rows(cfg: DataConfig, need_completion: bool) -> tuple[list[dict], list[dict]]:
+def _hub_rows(cfg: DataConfig, need: str) -> tuple[Sequence[dict], Sequence[dict]]:
+    rows = _converted(cfg, open_hub(cfg.dataset, cfg.split, cfg.subset), cfg.dataset, need)
+    if cfg.eval_split:
+        return rows, _converted(cfg, open_hub(cfg.dataset, cfg.eval_split, cfg.subset),
+                                f"{cfg.dataset} ({cfg.eval_split})", need)
+    return _hold_out(rows, cfg)
+
+
+def _table_rows(cfg: DataConfig, path: str | None, key: str, need: str) -> Rows:
+    if path and Path(path).suffix.lower() in (".jsonl", ".json"):
+        _check_json_lines(path, key)  # names the bad line, which pyarrow's reader cannot
+    return _converted(cfg, open_table(path, key, cfg.split), str(path), need)
+
+
+def _converted(cfg: DataConfig, table: Any, source: str, need: str) -> Rows:
+    if not len(table):
+        raise ConfigError(f"{source} has no rows; add some.")
+    convert, key = converter(columns(table), cfg, need, source)
+    return Rows(table, convert, source, key)
+
+
+def _task_file_rows(convert: Callable[[dict, str, DataConfig], dict], columns_needed: tuple,
+                    ) -> Callable[[DataConfig, str], tuple[Sequence[dict], Sequence[dict]]]:
+    """The source of a benchmark's own layout (GSM8K, MATH) in any file format."""
+
+    def rows_of(cfg: DataConfig, need: str) -> tuple[Sequence[dict], Sequence[dict]]:
+        def read(path: str | None, key: str) -> Rows:
+            if path and Path(path).suffix.lower() in (".jsonl", ".json"):
+                _check_json_lines(path, key)
+            table = open_table(path, key, cfg.split)
+            names = columns(table)
+            for field in columns_needed:
+                if field not in names:
+                    raise ConfigError(f'{path} has no "{field}" column; data={cfg.name} rows '
+                                      f"have {', '.join(columns_needed)}.")
+            if not len(table):
+                raise ConfigError(f"{path} has no rows; add some.")
+            return Rows(table, lambda row, where: convert(row, where, cfg), str(path),
+                        [columns_needed[0]])
+
+        rows = read(cfg.path, "data.path")
+        if cfg.eval_path:
+            return rows, read(cfg.eval_path, "data.eval_path")
+        return _hold_out(rows, cfg)
+
+    return rows_of
+
+
+def _from_gsm8k(row: dict, where: str, cfg: DataConfig) -> dict:
+    """{"question", "answer": "...reasoning... #### 72"} -> prompt, completion, answer "72"."""
+    for field in ("question", "answer"):
+        expect_str(row.get(field), f"{where}: {field!r}")
+    _, hashes, final = row["answer"].rpartition("####")
+    number = final.strip().replace(",", "")
+    if not hashes:
+        raise ConfigError(f'{where}: "answer" has no "####" before the final answer; '
+                          'end it with "#### <number>".')
+    if not _NUMBER.fullmatch(number):
+        raise ConfigError(f'{where}: the final answer after "####" is {final.strip()!r}, '
+                          'not a number; write a number after "####".')
     template = cfg.prompt_template or GSM8K_TEMPLATE
-
-    def read(path: str | None, key: str) -> list[dict]:
-        return [_from_gsm8k(row, where, template) for where, row in _json_objects(path, key)]
-
-    rows = read(cfg.path, "data.path")
-    if cfg.eval_path:
-        return rows, read(cfg.eval_path, "data.eval_path")
-    return _hold_out(rows, cfg)
+    return {**row, "prompt": template.replace("{question}", row["question"]),
+            "completion": " " + row["answer"], "answer": number}
 
 
-_SOURCES: dict[str, Callable[[DataConfig, bool], tuple[list[dict], list[dict]]]] = {
+def _from_math(row: dict, where: str, cfg: DataConfig) -> dict:
+    """MATH / MATH-500 rows {"problem", "solution"[, "answer"]} -> prompt, completion (the
+    solution) and answer (the row's, else the solution's last \\boxed{...})."""
+    for field in ("problem", "solution"):
+        expect_str(row.get(field), f"{where}: {field!r}")
+    answer = row.get("answer") or last_boxed(row["solution"])
+    if not answer:
+        raise ConfigError(f'{where} has no "answer" and its solution no \\boxed{{...}}; add '
+                          "the final answer to that row.")
+    template = cfg.prompt_template or MATH_TEMPLATE
+    return {**row, "prompt": template.replace("{question}", row["problem"]),
+            "completion": " " + row["solution"], "answer": str(answer)}
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} in `text` (nested braces kept), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+_SOURCES: dict[str, Callable[[DataConfig, str], tuple[Sequence[dict], Sequence[dict]]]] = {
     "arithmetic": _task_rows, "arithmetic_prefs": _task_rows, "countdown": _task_rows,
     "calculator": _task_rows, "guess_number": _task_rows,
-    "gsm8k": _gsm8k_rows,
-    "jsonl": _jsonl_rows}
+    "gsm8k": _task_file_rows(_from_gsm8k, ("question", "answer")),
+    "math": _task_file_rows(_from_math, ("problem", "solution")),
+    "jsonl": _file_rows, "hf": _hub_rows}
 
 
-def _hold_out(rows: list[dict], cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+def _hold_out(rows: Sequence[dict], cfg: DataConfig) -> tuple[Sequence[dict], Sequence[dict]]:
     """(train, eval): `cfg.num_eval` rows drawn by `cfg.seed` are held out."""
     if cfg.num_eval >= len(rows):
         raise ConfigError(
@@ -131,6 +233,8 @@ def _hold_out(rows: list[dict], cfg: DataConfig) -> tuple[list[dict], list[dict]
     # Training rows stay in file order: batching shuffles them anyway, and file order
     # makes a run's data easy to inspect.
     train_idx = np.sort(order_X[:split])
+    if isinstance(rows, Rows):
+        return rows.take(train_idx), rows.take(order_X[split:])
     return [rows[i] for i in train_idx], [rows[i] for i in order_X[split:]]
 
 
@@ -138,26 +242,29 @@ def read_jsonl(path_str: str | None, key: str = "data.path",
                need_completion: bool = True) -> list[dict]:
     """Rows of a jsonl file of {"prompt"[, "completion"]} or {"messages"} objects; the
     completion is required when `need_completion` (SFT)."""
-    return [_parse_row(row, where, need_completion) for where, row in _json_objects(path_str, key)]
+    cfg = DataConfig(name="jsonl", path=path_str)
+    return list(_table_rows(cfg, path_str, key, "examples" if need_completion else "prompts"))
 
 
-def _json_objects(path_str: str | None, key: str) -> list[tuple[str, dict]]:
-    """(where, object) for every non-blank line, `where` naming the file and line."""
-    path = Path(path_str or "").expanduser()
-    if not path_str or not path.is_file():
-        raise ConfigError(f"{key}={path_str} does not exist; point it to a jsonl file.")
-    objects = []
+def _check_json_lines(path_str: str, key: str) -> None:
+    """One sentence naming the first line of a jsonl file that is not a JSON object."""
+    path = Path(path_str).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{key}={path_str} does not exist; point it to a data file.")
     with path.open(encoding="utf-8") as f:
+        if path.suffix.lower() == ".json" and f.read(1) == "[":
+            return  # a JSON array: `datasets` reads it as a whole
+        f.seek(0)
+        seen = False
         for line_no, line in enumerate(f, start=1):
             if line.strip():
-                where = f"{path} line {line_no}"
-                objects.append((where, _parse_object(line, where)))
-    if not objects:
+                seen = True
+                _parse_object(line, f"{path} line {line_no}")
+    if not seen:
         raise ConfigError(f"{path} has no rows; add one JSON object per line.")
-    return objects
 
 
-def _parse_object(line: str, where: str) -> dict:
+def _parse_object(line: str, where: str) -> None:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -165,83 +272,3 @@ def _parse_object(line: str, where: str) -> dict:
     if not isinstance(row, dict):
         raise ConfigError(f"{where} is a {type(row).__name__}, not an object; write one "
                           'JSON object per line such as {"prompt": ..., "completion": ...}.')
-    return row
-
-
-def _parse_row(row: dict, where: str, need_completion: bool) -> dict:
-    if "messages" in row:
-        return _from_messages(row, where, need_completion)
-    if "prompt" in row and "trajectory" in row:
-        return _from_trajectory(row, where)
-    if "prompt" in row and ("completion" in row or not need_completion):
-        for field in ("prompt", "completion"):
-            if field in row:
-                _expect_str(row[field], f"{where}: {field!r}")
-        return row
-    if need_completion:
-        raise ConfigError(f'{where} has neither "prompt" and "completion" nor "messages"; '
-                          "add one of the two forms.")
-    raise ConfigError(f'{where} has neither "prompt" nor "messages"; add one of the two.')
-
-
-def _from_messages(row: dict, where: str, need_completion: bool) -> dict:
-    messages = row["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise ConfigError(f'{where}: "messages" must be a non-empty list of '
-                          '{"role", "content"} objects; fix that row.')
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ConfigError(f'{where}: messages[{i}] is not an object; write it as '
-                              '{"role": ..., "content": ...}.')
-        for field in ("role", "content"):
-            _expect_str(message.get(field), f"{where}: messages[{i}][{field!r}]")
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    if messages[-1]["role"] == "assistant":
-        prompt_messages, completion = messages[:-1], {"completion": messages[-1]["content"]}
-    elif need_completion:
-        # Turns after the last assistant reply would be silently dropped; refuse instead.
-        raise ConfigError(f'{where}: the last message has role {messages[-1]["role"]!r}; '
-                          'end the conversation with the "assistant" reply to train on.')
-    else:  # RL: the whole conversation is the prompt
-        prompt_messages, completion = messages, {}
-    return {**row, "messages": prompt_messages,
-            "prompt": "\n".join(m["content"] for m in prompt_messages), **completion}
-
-
-def _from_trajectory(row: dict, where: str) -> dict:
-    """A recorded multi-turn trajectory (`gpurl generate env=... record=F`): the prompt and
-    segments {"text", "train"}; SFT trains on the "train" segments (the model's turns)
-    only. Its completion is the segments' text."""
-    _expect_str(row["prompt"], f"{where}: 'prompt'")
-    segments = row["trajectory"]
-    if not isinstance(segments, list) or not segments or not all(
-            isinstance(s, dict) and isinstance(s.get("text"), str)
-            and isinstance(s.get("train"), bool) for s in segments):
-        raise ConfigError(f'{where}: "trajectory" must be a non-empty list of '
-                          '{"text": str, "train": bool} objects; fix that row.')
-    return {**row, "completion": "".join(s["text"] for s in segments)}
-
-
-def _from_gsm8k(row: dict, where: str, template: str) -> dict:
-    """{"question", "answer": "...reasoning... #### 72"} -> prompt, completion, answer "72"."""
-    for field in ("question", "answer"):
-        if field not in row:
-            raise ConfigError(f'{where} has no "{field}"; GSM8K rows are '
-                              '{"question": ..., "answer": "... #### 72"}.')
-        _expect_str(row[field], f"{where}: {field!r}")
-    _, hashes, final = row["answer"].rpartition("####")
-    number = final.strip().replace(",", "")
-    if not hashes:
-        raise ConfigError(f'{where}: "answer" has no "####" before the final answer; '
-                          'end it with "#### <number>".')
-    if not _NUMBER.fullmatch(number):
-        raise ConfigError(f'{where}: the final answer after "####" is {final.strip()!r}, '
-                          'not a number; write a number after "####".')
-    return {**row, "prompt": template.replace("{question}", row["question"]),
-            "completion": " " + row["answer"], "answer": number}
-
-
-def _expect_str(value: Any, what: str) -> None:
-    if not isinstance(value, str):
-        shown = "missing" if value is None else f"a {type(value).__name__}"
-        raise ConfigError(f"{what} is {shown}, not a string; make it a string.")

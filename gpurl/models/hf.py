@@ -1,9 +1,10 @@
 """Hugging Face checkpoints: config.json -> ModelConfig, safetensors -> sharded params (export: hf_export.py).
 
-Loading never holds a whole model on one device or on the host: every tensor stays a
-memory-mapped view (transposes and reshapes are views too), and
-`jax.make_array_from_callback` reads only the slice each device owns. Export writes the
-classic `rope_theta`/`rope_scaling` config form, which transformers 4.x and 5.x both read.
+Loading never holds a whole model on one device or on the host: every tensor stays a lazy
+slice of the memory-mapped file (a `LazyTensor`: transposes, reshapes and indexing read
+nothing), and `jax.make_array_from_callback` reads only the slice each device owns. Export
+writes the classic `rope_theta`/`rope_scaling` config form, which transformers 4.x and 5.x
+both read.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from gpurl.config import ConfigError, ModelConfig, MoEConfig
 from gpurl.models import families
 from gpurl.models.families import HFFamily
-from gpurl.models.safetensors_io import open_checkpoint
+from gpurl.models.safetensors_io import LazyTensor, open_checkpoint
 from gpurl.models.spec import ModelSpec, Params
 from gpurl.models.transformer import layer_stacks
 
@@ -302,7 +303,7 @@ _PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "mod
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(vision_tower|multi_modal_projector)\.")
 
 
-def _text_tensors(path: Path) -> dict[str, np.ndarray]:
+def _text_tensors(path: Path) -> dict[str, LazyTensor]:
     out = {}
     for name, view in open_checkpoint(path).items():
         if _IGNORED.search(name):
@@ -318,7 +319,7 @@ def _text_tensors(path: Path) -> dict[str, np.ndarray]:
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
-def _split_fused_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _split_fused_experts(tensors: dict[str, LazyTensor]) -> dict[str, LazyTensor]:
     """Per-expert views of fused expert tensors (transformers 5's in-memory layout,
     `experts.gate_up_proj` E x 2F x D and `experts.down_proj` E x D x F) under the
     per-expert names checkpoints on the Hub use (`experts.{j}.gate_proj.weight`, ...)."""
@@ -353,7 +354,7 @@ def _mismatch(path: Path, cfg: ModelConfig, problem: str) -> ConfigError:
         f"model.checkpoint at a matching checkpoint.")
 
 
-def _check_names(layout: list[HFTensor], tensors: dict[str, np.ndarray], path: Path,
+def _check_names(layout: list[HFTensor], tensors: dict[str, LazyTensor], path: Path,
                  cfg: ModelConfig) -> None:
     expected = {t.name: t.shape for t in layout}
     missing = [f"{n} {expected[n]}" for n in expected if n not in tensors]
@@ -380,7 +381,7 @@ def load_hf_params(path: str | Path, spec: ModelSpec, shardings: Params,
     check_layout(layout, spec.abstract_params)
     tensors = {n: v for n, v in _text_tensors(path).items() if n not in extra}
     _check_names(layout, tensors, path, cfg)
-    views: dict[tuple, dict[tuple[int, ...], np.ndarray]] = {}  # a leaf's views by `index()`
+    views: dict[tuple, dict[tuple[int, ...], LazyTensor]] = {}  # a leaf's views by `index()`
     for t in layout:
         view, target = tensors[t.name], leaf_at(spec.abstract_params, t.path)
         if tuple(view.shape) != t.shape:
@@ -397,8 +398,8 @@ def load_hf_params(path: str | Path, spec: ModelSpec, shardings: Params,
     return params
 
 
-def _read(parts: dict[tuple[int, ...], np.ndarray], index: tuple, dtype: Any) -> np.ndarray:
-    """The slice `index` of a parameter from its memory-mapped views, keyed by their place
+def _read(parts: dict[tuple[int, ...], LazyTensor], index: tuple, dtype: Any) -> np.ndarray:
+    """The slice `index` of a parameter from its lazy views, keyed by their place
     on the leaf's stacked leading axes (layers, then experts; () for an unstacked leaf)."""
     depth = len(next(iter(parts)))
     if depth == 0:

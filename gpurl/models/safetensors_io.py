@@ -1,36 +1,168 @@
-"""Safetensors without the `safetensors` package: zero-copy memory-mapped reads, plain writes.
+"""Safetensors through the `safetensors` package: lazy per-shard reads, streamed writes.
 
-Format (https://github.com/huggingface/safetensors#format): 8-byte little-endian header
-length N, N bytes of JSON `{name: {"dtype", "shape", "data_offsets": [begin, end]}, ...,
-"__metadata__": {str: str}}`, then the data buffer; offsets are relative to the buffer.
-Every tensor comes back as a view into one `np.memmap` per file, so opening a 100 GB
-checkpoint costs nothing until a slice of a tensor is read (each device reads its shard).
+Reading: `safe_open` parses and validates the header (the package's errors become one-line
+`ConfigError`s) and memory-maps the file; every tensor comes back as a `LazyTensor` over
+the package's slice (`get_slice`), so opening a 100 GB checkpoint reads nothing and each
+device later reads only its shard. Writing a dict of host arrays uses the package too;
+`write_tensors` streams one tensor at a time instead, because the package's writer takes
+every tensor at once (benchmarks/README.md, "Safetensors": the whole model on the host).
+Format: https://github.com/huggingface/safetensors#format.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-import ml_dtypes
+import ml_dtypes  # registers bfloat16 with NumPy, which the package's numpy framework needs
 import numpy as np
+import safetensors.numpy
+from safetensors import SafetensorError, safe_open
 
 from gpurl.config import ConfigError
 
+# What the package's numpy framework can return (it has no NumPy type for F8_* or F4).
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
     "U16": np.dtype("<u2"), "I16": np.dtype("<i2"), "U32": np.dtype("<u4"),
     "I32": np.dtype("<i4"), "U64": np.dtype("<u8"), "I64": np.dtype("<i8"),
     "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
     "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_MAX_HEADER = 100_000_000  # the reference implementation's limit
 INDEX_FILE = "model.safetensors.index.json"
+Pick = int | tuple[int, int]  # one axis of an index: a position, or a range [start, stop)
+
+
+# ------------------------------------------------------------------------------ reading
+
+class LazyTensor:
+    """A tensor of a safetensors file that reads nothing until `np.asarray` converts it.
+
+    `.T`, `.reshape` (only splitting axes) and indexing with integers and unit-step slices
+    compose into one box of the stored tensor, so converting reads only the box. Indexing
+    a reshaped tensor reads at once: each split axis's box covers whole rows of its first
+    part (exactly the bytes when only that part is sliced, as a device's shard is).
+    """
+
+    def __init__(self, source: Any, shape: Sequence[int], dtype: Any) -> None:
+        """`source[box]` (a tuple of ints and slices) returns that box of the stored tensor
+        as an array: `safe_open(...).get_slice(name)`."""
+        self._source, self.dtype = source, np.dtype(dtype)
+        self._box: tuple[Pick, ...] = tuple((0, int(n)) for n in shape)
+        self._axes = tuple(range(len(shape)))  # the stored axis behind each view group
+        self._splits = tuple((int(n),) for n in shape)  # each group's sizes in the view
+
+    def _with(self, box: Sequence[Pick], axes: Sequence[int],
+              splits: Sequence[tuple[int, ...]]) -> LazyTensor:
+        out = object.__new__(LazyTensor)
+        out._source, out.dtype = self._source, self.dtype
+        out._box, out._axes, out._splits = tuple(box), tuple(axes), tuple(splits)
+        return out
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(n for sizes in self._splits for n in sizes)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor(shape={self.shape}, dtype={self.dtype})"
+
+    @property
+    def T(self) -> LazyTensor:
+        if any(len(sizes) > 1 for sizes in self._splits):
+            raise ValueError(f"{self} was reshaped; transpose it before reshaping.")
+        return self._with(self._box, self._axes[::-1], self._splits[::-1])
+
+    def reshape(self, *shape: int | Sequence[int]) -> LazyTensor:
+        dims = list(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
+        if -1 in dims:
+            known = math.prod(d for d in dims if d != -1)
+            dims[dims.index(-1)] = self.size // known if known else 0
+        groups, i = [], 0
+        for sizes in self._splits:
+            run: list[int] = []
+            while i < len(dims) and (not run or math.prod(run) != math.prod(sizes)):
+                run, i = run + [int(dims[i])], i + 1
+            groups.append(tuple(run))
+        if groups and all(d == 1 for d in dims[i:]):
+            groups[-1], i = groups[-1] + tuple(dims[i:]), len(dims)
+        if (i < len(dims) or not all(groups)
+                or [math.prod(g) for g in groups] != [math.prod(s) for s in self._splits]):
+            raise ValueError(f"cannot reshape {self} to {tuple(dims)} without reading it: "
+                             f"only reshapes that split axes stay lazy.")
+        return self._with(self._box, self._axes, groups)
+
+    def __getitem__(self, index: Any) -> LazyTensor | np.ndarray:
+        picks = self._picks(index)
+        if any(len(sizes) > 1 for sizes in self._splits):
+            return self._read(picks)
+        box, axes, splits = list(self._box), [], []
+        for axis, pick in zip(self._axes, picks):
+            start = box[axis][0]
+            if isinstance(pick, int):
+                box[axis] = start + pick
+            else:
+                box[axis] = (start + pick[0], start + pick[1])
+                axes.append(axis)
+                splits.append((pick[1] - pick[0],))
+        return self._with(box, axes, splits)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if copy is False:
+            raise ValueError(f"{self} lives in a file; reading it always copies.")
+        out = self._read(self._picks(()))
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def _picks(self, index: Any) -> list[Pick]:
+        index = index if isinstance(index, tuple) else (index,)
+        shape = self.shape
+        if len(index) > len(shape):
+            raise IndexError(f"{len(index)} indices for {self}")
+        picks: list[Pick] = []
+        for n, i in zip(shape, index + (slice(None),) * (len(shape) - len(index))):
+            if isinstance(i, slice):
+                start, stop, step = i.indices(n)
+                if step != 1:
+                    raise IndexError(f"{self} takes unit-step slices only, not {i}")
+                picks.append((start, max(start, stop)))
+                continue
+            i = operator.index(i)
+            if not -n <= i < n:
+                raise IndexError(f"index {i} is out of bounds for an axis of size {n}")
+            picks.append(i % n)
+        return picks
+
+    def _read(self, picks: list[Pick]) -> np.ndarray:
+        box, shape, post, rest = list(self._box), [], [], iter(picks)
+        for axis, sizes in zip(self._axes, self._splits):
+            first, *inner = [next(rest) for _ in sizes]
+            lo, hi = (first, first + 1) if isinstance(first, int) else first
+            row = math.prod(sizes[1:])
+            box[axis] = (box[axis][0] + lo * row, box[axis][0] + hi * row)
+            shape += [hi - lo, *sizes[1:]]
+            post += [0 if isinstance(first, int) else slice(None)]
+            post += [p if isinstance(p, int) else slice(*p) for p in inner]
+        stored = [b[1] - b[0] for b in box if isinstance(b, tuple)]
+        if 0 in stored:  # the package refuses empty slices
+            chunk = np.empty(stored, self.dtype)
+        else:
+            chunk = np.asarray(self._source[tuple(slice(*b) if isinstance(b, tuple) else b
+                                                  for b in box)])
+        kept = sorted(self._axes)  # the chunk's axes, in stored order
+        chunk = chunk.transpose([kept.index(a) for a in self._axes])
+        return np.asarray(chunk.reshape(shape)[tuple(post)])  # never a NumPy scalar
 
 
 def _corrupt(path: Path, problem: str) -> ConfigError:
@@ -38,74 +170,30 @@ def _corrupt(path: Path, problem: str) -> ConfigError:
                        f"re-export the checkpoint.")
 
 
-def read_header(path: str | Path) -> tuple[dict[str, dict[str, Any]], dict[str, str], int]:
-    """(tensor entries, metadata, byte offset of the data buffer), all bounds-checked."""
+def _problem(error: SafetensorError) -> str:
+    """The package's message on one short line (a damaged header can hold megabytes)."""
+    text = " ".join(str(error).split()).removeprefix("Error while deserializing header: ")
+    if any(s in text for s in ("not fully covered", "header too small", "header too large",
+                               "invalid header length")):
+        text += ": truncated file?"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def open_file(path: str | Path) -> dict[str, LazyTensor]:
+    """Tensors of one file, validated by the package and lazy (nothing is read yet)."""
     path = Path(path)
-    size = path.stat().st_size
-    if size < 8:
-        raise _corrupt(path, f"{size} bytes, shorter than the 8-byte header length")
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if not 2 <= n <= min(size - 8, _MAX_HEADER):
-            raise _corrupt(path, f"header length {n} does not fit a file of {size} bytes")
-        raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, huge ints, deep nesting
-        raise _corrupt(path, f"header is not JSON: {str(e)[:200]}") from None
-    if not isinstance(header, dict):
-        raise _corrupt(path, "header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise _corrupt(path, "__metadata__ is not an object")
-    _check_entries(path, header, data_size=size - 8 - n)
-    return header, metadata, 8 + n
-
-
-def _check_entries(path: Path, header: dict[str, Any], data_size: int) -> None:
-    spans = []
-    for name, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise _corrupt(path, f"tensor {_short(name)} has a malformed entry "
-                                 f"{_short(entry)}") from None
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise _corrupt(path, f"tensor {_short(name)} has unknown dtype {_short(dtype)}")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise _corrupt(path, f"tensor {_short(name)} has invalid shape {_short(shape)}")
-        if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= data_size):
-            raise _corrupt(path, f"tensor {_short(name)} spans bytes [{_short(begin)}, "
-                                 f"{_short(end)}) outside the "
-                                 f"{data_size}-byte data buffer (truncated file?)")
-        if end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
-            raise _corrupt(path, f"tensor {_short(name)} of shape {_short(shape)} and dtype "
-                                 f"{dtype} does not fill its {end - begin} bytes")
-        spans.append((begin, end, name))
-    spans.sort()
-    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
-        if begin < end:
-            raise _corrupt(path, f"tensors {_short(first)} and {_short(second)} overlap")
-
-
-def _short(value: Any) -> str:
-    """repr for a message: a damaged header can hold megabytes in one name."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def open_file(path: str | Path) -> dict[str, np.ndarray]:
-    """Tensors of one file as read-only views into a memory map (nothing is read yet)."""
-    path = Path(path)
-    header, _, start = read_header(path)
-    if not header:
-        return {}
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
+        with safe_open(path, framework="numpy") as f:  # slices keep the memory map open
+            slices = {name: f.get_slice(name) for name in f.keys()}
+    except SafetensorError as e:
+        raise _corrupt(path, _problem(e)) from None
     out = {}
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        flat = buf[start + begin:start + end].view(DTYPES[entry["dtype"]])
-        out[name] = flat.reshape(entry["shape"])
+    for name, piece in slices.items():
+        dtype = DTYPES.get(piece.get_dtype())
+        if dtype is None:
+            raise ConfigError(f"tensor {name!r} of {path} is {piece.get_dtype()}, which gpurl "
+                              f"cannot read; convert the checkpoint to bfloat16 or float32.")
+        out[name] = LazyTensor(piece, piece.get_shape(), dtype)
     return out
 
 
@@ -139,10 +227,10 @@ def _weight_map(path: Path) -> dict[str, str]:
     return weight_map
 
 
-def open_checkpoint(path: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of a (possibly sharded) checkpoint, memory-mapped; a name may occur once."""
+def open_checkpoint(path: str | Path) -> dict[str, LazyTensor]:
+    """All tensors of a (possibly sharded) checkpoint, lazy; a name may occur once."""
     path = Path(path)
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, LazyTensor] = {}
     origin: dict[str, Path] = {}
     for file in checkpoint_files(path):
         for name, view in open_file(file).items():
@@ -158,18 +246,25 @@ def open_checkpoint(path: str | Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+# ------------------------------------------------------------------------------ writing
+
 def save_file(tensors: Mapping[str, Any], path: str | Path,
               metadata: Mapping[str, str] | None = None) -> None:
-    """Write a safetensors file (atomically: a temporary file renamed into place)."""
-    arrays = [(name, _little_endian(np.asarray(x))) for name, x in tensors.items()]
-    write_tensors(path, [(name, a.dtype, a.shape) for name, a in arrays],
-                  lambda i: arrays[i][1], metadata)
+    """Write host arrays with the package (atomically: a temporary file renamed into place)."""
+    arrays = {name: np.asarray(x, order="C") for name, x in tensors.items()}  # it needs C order
+    for name, a in arrays.items():
+        _dtype_name(name, a.dtype)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    safetensors.numpy.save_file(arrays, tmp, dict(metadata) if metadata else None)
+    os.replace(tmp, path)
 
 
 def write_tensors(path: str | Path | None, entries: Sequence[tuple[str, Any, Sequence[int]]],
                   fetch: Callable[[int], np.ndarray],
                   metadata: Mapping[str, str] | None = None) -> None:
-    """Stream tensors into a safetensors file, one on the host at a time.
+    """Stream tensors into a safetensors file, one on the host at a time (the package's
+    writer needs them all at once), atomically.
 
     `entries` are (name, dtype, shape); `fetch(i)` returns entry i's array and is called
     once per entry in a fixed order. With `path=None` only the fetches run (the processes
@@ -202,18 +297,23 @@ def _write_order(entries: Sequence[tuple[str, Any, Sequence[int]]]) -> list[int]
                   key=lambda i: (-np.dtype(entries[i][1]).itemsize, entries[i][0]))
 
 
+def _dtype_name(name: str, dtype: Any) -> str:
+    dtype = np.dtype(dtype)
+    dtype = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
+    if dtype not in _NAMES:
+        raise TypeError(f"tensor {name!r} has dtype {dtype}, which gpurl does not write to "
+                        f"safetensors; cast it to one of {sorted(_NAMES)}.")
+    return _NAMES[dtype]
+
+
 def _header_bytes(entries: Sequence[tuple[str, Any, Sequence[int]]], order: list[int],
                   metadata: Mapping[str, str] | None) -> bytes:
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for i in order:
         name, dtype, shape = entries[i]
-        dtype = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).byteorder == ">" else np.dtype(dtype)
-        if dtype not in _NAMES:
-            raise TypeError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot "
-                            f"store; cast it to one of {sorted(_NAMES)}.")
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _NAMES[dtype], "shape": [int(d) for d in shape],
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": _dtype_name(name, dtype), "shape": [int(d) for d in shape],
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import ast
+import math
+import numbers
 import operator
 import re
 from collections import Counter
+from decimal import Decimal
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -52,6 +55,108 @@ def first_number_match(prompts: Sequence[str], completions: Sequence[str],
                        answer: Sequence[Any], **_: Any) -> list[float]:
     """1.0 when the first number of the completion equals `answer` (few-shot line formats)."""
     return [_matches(c, a, "first") for c, a in zip(completions, answer)]
+
+
+_HASHES_LINE = re.compile(r"####[ \t]*(\S[^\n]*)")
+_MAX_ANSWER_DIGITS = 100_000  # a reading holding a bigger number is dropped (see _log10_bound)
+_LOG10_2 = math.log10(2)
+_HUGE_FUNCTIONS = ("factorial", "factorial2", "subfactorial", "binomial", "gamma",
+                   "RisingFactorial", "FallingFactorial")
+
+
+def math_verify(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any],
+                **_: Any) -> list[float]:
+    """1.0 when the completion's final answer equals `answer` as mathematics, judged by
+    Hugging Face's math-verify: `\\boxed{}` first, LaTeX or plain text, fractions against
+    decimals, radicals, sets and intervals, with units and thousands separators dropped.
+
+    Without a `\\boxed{}`, the rest of the last `#### x` line (GSM8K) is the answer: alone,
+    math-verify would read the last number of the text after it.
+    """
+    parse, verify = _math_verify_api()
+    golds = [_gold_latex(a) for a in answer]
+    readings = {g: _parse(parse, g) for g in set(golds)}  # a prompt's G completions share one
+    return [float(verify(readings[g], _parse(parse, _final_answer_text(c)), timeout_seconds=None))
+            for c, g in zip(completions, golds)]
+
+
+def _math_verify_api() -> tuple[Callable, Callable]:
+    """math-verify's (parse, verify), imported on first use: it loads sympy (about 0.5 s)."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise ImportError("the math_verify reward needs the math-verify package; install it "
+                          "with `pip install math-verify`.") from None
+    return parse, verify
+
+
+def _gold_latex(answer: Any) -> str:
+    """`answer` as math-verify should read it: in `$...$`, without which it finds no
+    `\\frac12`, `\\sqrt{8}` or `[1,2)`, and floats written out (`1e-07` reads as e - 7)."""
+    if answer is None:
+        return ""
+    if isinstance(answer, numbers.Real) and not isinstance(answer, numbers.Rational):
+        answer = f"{Decimal(str(answer)):f}"
+    text = str(answer).strip()
+    return text if not text or "$" in text or "\\boxed" in text else f"${text}$"
+
+
+def _final_answer_text(completion: str) -> str:
+    """What math-verify reads: the rest of the last `#### x` line when nothing is boxed."""
+    found = None if "\\boxed" in completion else _HASHES_LINE.findall(completion)
+    return found[-1] if found else completion
+
+
+def _parse(parse: Callable, text: str) -> list:
+    """math-verify's readings of `text` that are safe to evaluate. Its own timeout is off
+    (`parsing_timeout=None`; `verify`'s `timeout_seconds=None`): it uses SIGALRM, which only
+    the main thread may set, and `rewards.timeout_s` runs reward functions in a worker thread."""
+    return [x for x in parse(text, parsing_timeout=None)
+            if _log10_bound(x) <= _MAX_ANSWER_DIGITS]
+
+
+def _log10_bound(expr: Any) -> float:
+    """An upper bound on the decimal digits of the numbers that evaluating `expr` builds.
+
+    `verify` evaluates both sides, and sympy computes `9^{9^{9}}` (370 million digits) in one
+    C call that holds the GIL: no timeout, neither SIGALRM nor `rewards.timeout_s`'s thread,
+    can stop it, and the whole process hangs. Strings (math-verify's raw readings) are 0.
+    """
+    import sympy
+
+    huge = tuple(getattr(sympy, name) for name in _HUGE_FUNCTIONS)
+
+    def bound(x: Any) -> float:
+        if isinstance(x, sympy.MatrixBase):
+            return max((bound(e) for e in x), default=0.0)
+        if not isinstance(x, sympy.Basic):
+            return 0.0
+        if x.is_Number:
+            return _number_log10(x)
+        args = [bound(a) for a in x.args]
+        if not args:
+            return 1.0  # symbols and constants (pi, e, i)
+        if x.is_Pow:  # b^e has at most 10^E * B digits, for b of B digits and e of E
+            return math.inf if args[1] > 300 else 10.0 ** args[1] * max(args[0], 1.0)
+        if isinstance(x, huge):  # n! has at most n * log10(n) digits
+            return math.inf if max(args) > 300 else 10.0 ** max(args) * max(max(args), 1.0)
+        if x.is_Mul:
+            return sum(args)
+        return max(args) + math.log10(len(args))  # sums; other functions keep their size
+
+    try:
+        return bound(expr)
+    except RecursionError:
+        return math.inf
+
+
+def _number_log10(x: Any) -> float:
+    """log10 of max(|x|, 1) for a sympy number, computed without evaluating anything big."""
+    if not x.is_finite:
+        return 0.0
+    if x.is_Rational:
+        return max(abs(x.p).bit_length() - x.q.bit_length() + 1, 0) * _LOG10_2
+    return math.log10(max(abs(float(x)), 1.0))
 
 
 def boxed_format(prompts: Sequence[str], completions: Sequence[str], **_: Any) -> list[float]:
@@ -114,5 +219,5 @@ def _fold(node: ast.AST, used: list[int]) -> Fraction:
 
 
 BUILTIN = {"numeric_match": numeric_match, "first_number_match": first_number_match,
-           "boxed_format": boxed_format, "length_penalty": length_penalty,
-           "countdown": countdown}
+           "math_verify": math_verify, "boxed_format": boxed_format,
+           "length_penalty": length_penalty, "countdown": countdown}

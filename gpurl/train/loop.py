@@ -302,34 +302,35 @@ def train(cfg: Config) -> dict[str, Any]:
 
 def _train(cfg: Config, stop: _Stop) -> dict[str, Any]:
     s, init = _build(cfg)
-    cfg = s.cfg
-    try:
+    sink = None
+    try:  # every way out closes the checkpoint manager: its threads must not outlive the run
         state, meta = _restore_or_init(s, init)
-    except BaseException:
-        s.ckpt.close()
-        raise
-    start, resumed = int(meta.get("step", 0)), bool(meta)
-    s.stepper.restore_meta(meta)
-    if start >= cfg.train.steps:
-        done = s.run_dir / "summary.json"
-        print(f"[gpurl] {s.run_dir} already finished at step {start} (train.steps="
-              f"{cfg.train.steps}); raise train.steps to continue or use a new run.dir.", flush=True)
-        return json.loads(done.read_text()) if done.exists() else {"step": start, "finished": True}
-    main = runtime.is_main_process()
-    sink = MetricsSink(cfg.logger, s.run_dir, to_dict(cfg), cfg.train.steps, start, enabled=main)
-    if main:
-        _prepare_run_dir(s.run_dir, cfg, resumed, sink.message)
-    sink.message(
-        f"[gpurl] {cfg.algo.name} on {cfg.model.name} ({count_params(state.params):,} params), "
-        f"mesh {dict(s.place.mesh.shape)}, {s.stepper.describe()}, "
-        + (f"memory per device: {plan_summary(s.plans)}, " if s.plans else "")
-        + (f"resuming from step {start}" if resumed else "starting at step 0")
-        + f", run dir {s.run_dir}")
-    try:
+        cfg = s.cfg
+        start, resumed = int(meta.get("step", 0)), bool(meta)
+        s.stepper.restore_meta(meta)
+        if start >= cfg.train.steps:
+            done = s.run_dir / "summary.json"
+            print(f"[gpurl] {s.run_dir} already finished at step {start} (train.steps="
+                  f"{cfg.train.steps}); raise train.steps to continue or use a new run.dir.",
+                  flush=True)
+            return json.loads(done.read_text()) if done.exists() else {"step": start,
+                                                                        "finished": True}
+        main = runtime.is_main_process()
+        sink = MetricsSink(cfg.logger, s.run_dir, to_dict(cfg), cfg.train.steps, start,
+                           enabled=main)
+        if main:
+            _prepare_run_dir(s.run_dir, cfg, resumed, sink.message)
+        sink.message(
+            f"[gpurl] {cfg.algo.name} on {cfg.model.name} ({count_params(state.params):,} params), "
+            f"mesh {dict(s.place.mesh.shape)}, {s.stepper.describe()}, "
+            + (f"memory per device: {plan_summary(s.plans)}, " if s.plans else "")
+            + (f"resuming from step {start}" if resumed else "starting at step 0")
+            + f", run dir {s.run_dir}")
         step, last_eval = _run_steps(s, state, start, int(meta.get("nonfinite_skipped", 0)),
                                      sink, stop)
     finally:
-        sink.close()
+        if sink is not None:
+            sink.close()
         s.ckpt.close()
     if step < cfg.train.steps:  # stopped by SIGTERM: a checkpoint holds the step
         return {"step": step, "finished": False}

@@ -1,4 +1,4 @@
-"""Metrics sinks: console progress bar, `metrics.jsonl`, and Weights & Biases.
+"""Metrics sinks: console progress bar, `metrics.jsonl`, Weights & Biases and TensorBoard.
 
 Only process 0 writes; the other processes get a sink that does nothing, so the loop
 never branches on the process index.
@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import jax
 
-from gpurl.config import LoggerConfig, LoggerName
+from gpurl.config import ConfigError, LoggerConfig, LoggerName
 
 
 def _fmt(value: float) -> str:
@@ -82,6 +82,7 @@ class MetricsSink:
         self._phase_totals = {k: 0.0 for k in PHASES}
         self._phase_steps = 0
         self._wandb = None
+        self._tensorboard = None
         self._jsonl = None
         if not enabled:
             return
@@ -92,14 +93,18 @@ class MetricsSink:
                           if cfg.progress else None)
         if cfg.name == LoggerName.WANDB.value:
             self._wandb = _start_wandb(cfg, run_dir, config)
+        if cfg.name == LoggerName.TENSORBOARD.value:
+            self._tensorboard = TensorBoardWriter(run_dir, start_step)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.enabled:
             return
-        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(row) + "\n")
+        values = {k: float(v) for k, v in metrics.items()}
+        self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
         if self._wandb is not None:
             self._wandb.log(dict(metrics), step=step)
+        if self._tensorboard is not None:
+            self._tensorboard.log(step, values)
         if PHASES[0] in metrics:
             self._phase_steps += 1
             for k in PHASES:
@@ -142,6 +147,8 @@ class MetricsSink:
             print(line, file=sys.stderr, flush=True)
         if self._jsonl is not None:
             self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         if self._wandb is not None:
             self._wandb.finish()
 
@@ -175,3 +182,47 @@ def _start_wandb(cfg: LoggerConfig, run_dir: Path, config: Mapping[str, Any]):
     import wandb
 
     return wandb.init(**wandb_init_kwargs(cfg, run_dir, config))
+
+
+TENSORBOARD_DIR = "tensorboard"  # in run.dir: the event files of logger=tensorboard
+
+
+class TensorBoardWriter:
+    """Each logged step's scalars as one event in an event file under run.dir/tensorboard/.
+
+    Not tensorboardX's SummaryWriter: it renames tags holding characters other than
+    letters, digits and `_-./` (`eval/pass@1` becomes `eval/pass_1`) and writes from a
+    thread, so its flush does not promise the event is on disk. Here the tags are the
+    metrics.jsonl keys, and each event is on disk when `log` returns, as a metrics.jsonl
+    row is, so a checkpoint never covers a step TensorBoard lacks. A session first writes
+    a restart marker at its first step (0 for a fresh run): TensorBoard then hides what
+    earlier sessions logged from that step on, the steps a resumed run redoes
+    (metrics.jsonl drops their rows)."""
+
+    def __init__(self, run_dir: Path, start_step: int):
+        try:
+            from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+            from tensorboardX.proto.summary_pb2 import Summary
+        except ImportError as e:
+            raise ConfigError("logger=tensorboard needs the tensorboardX package, which is not "
+                              "installed; run `pip install tensorboardX` or set "
+                              "logger=console.") from e
+        self._event, self._summary = Event, Summary
+        directory = run_dir / TENSORBOARD_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        self._writer = EventsWriter(str(directory / "events"))
+        restart = start_step + 1 if start_step else 0
+        self._write(Event(step=restart, session_log=SessionLog(status=SessionLog.START)))
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        scalars = [self._summary.Value(tag=k, simple_value=v) for k, v in values.items()]
+        self._write(self._event(step=step, summary=self._summary(value=scalars)))
+
+    def _write(self, event: Any) -> None:
+        event.wall_time = time.time()
+        self._writer.write_event(event)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
