@@ -220,6 +220,7 @@ def _spec(implementation: str):
     return model_spec(make_config(model=dict(MODEL, attention=implementation)).model)
 
 
+@pytest.mark.slow
 def test_model_logits_and_decode_equal_for_each_implementation():
     rng = np.random.default_rng(3)
     tokens = jnp.asarray(rng.integers(3, 259, (2, 10)), jnp.int32)

@@ -46,6 +46,7 @@ def test_undocumented_field_is_an_error():
         config_docs.field_docs(Probe, source)
 
 
+@pytest.mark.slow
 def test_check_mode_reports_a_stale_file(tmp_path, capsys):
     stale = tmp_path / "configuration.md"
     stale.write_text("old\n")

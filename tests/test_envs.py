@@ -140,6 +140,7 @@ def rollout_engine(env: EnvConfig, temperature: float = 1.0, rewards=()) -> Roll
                          env=env)
 
 
+@pytest.mark.slow
 def test_a_three_turn_trajectory_has_the_hand_built_layout():
     """Observation spans masked, log-probs only on model tokens, sampling keys continuing
     across turns: the trajectory equals turns generated one by one with the prompt grown by
@@ -196,6 +197,7 @@ def test_a_three_turn_trajectory_has_the_hand_built_layout():
     assert not grad[mask == 0].any() and (grad[mask == 1] != 0).mean() > 0.9
 
 
+@pytest.mark.slow
 def test_trajectories_end_at_max_turns_and_max_tokens():
     engine = rollout_engine(EnvConfig(name="test_envs:Scripted", max_turns=2, max_tokens=40,
                                       reward="last"), temperature=0.0)

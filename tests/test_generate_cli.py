@@ -28,6 +28,7 @@ def test_command_line_prompt_with_spaces_and_equals_is_free_text():
     assert greedy[0] == greedy[1]  # temperature 0: both samples are the greedy completion
 
 
+@pytest.mark.slow
 def test_prompts_file_rows_each_get_n_samples(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"{i} + 1 ="}) for i in range(3)) + "\n")
@@ -50,6 +51,7 @@ def test_config_errors_are_one_sentence(args, expected):
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_missing_prompts_file_is_one_sentence(tmp_path):
     with pytest.raises(ConfigError, match="does not exist; point it to a jsonl or text file."):
         generate(validate([*TINY, f"prompts_file={tmp_path}/missing.jsonl"], APPS["generate"]))

@@ -85,6 +85,7 @@ def test_reference_against_numpy_float64():
     np.testing.assert_allclose(entropy, -(np.exp(logq) * logq).sum(-1), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_real_model_matches_training_logprobs():
     from gpurl.algorithms.forward import token_logprobs
     from gpurl.config import ModelConfig

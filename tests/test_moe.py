@@ -117,6 +117,7 @@ def test_capacity_drops_only_past_each_devices_share(ckpt):
     assert 0 < dropped < copies and np.abs(tight - dropless).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_fused_expert_tensors_load_like_per_expert_ones(ckpt, tmp_path):
     """transformers 5 keeps experts fused in memory (experts.gate_up_proj E x 2F x D,
     experts.down_proj E x D x F); a checkpoint saved from that state dict loads the same."""
@@ -130,6 +131,7 @@ def test_fused_expert_tensors_load_like_per_expert_ones(ckpt, tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_router_terms_equal_transformers_load_balancing_loss(ckpt):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -161,6 +163,7 @@ def test_router_terms_equal_transformers_load_balancing_loss(ckpt):
         (per_layer.max(1) / per_layer.mean(1)).max(), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_grouped_matmul_tiled_equals_ragged_dot():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(300, 24)), jnp.float32)

@@ -76,6 +76,7 @@ def test_a_run_that_does_not_fit_stops_with_one_sentence_before_allocating(tmp_p
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_real_model_preset_without_weights_is_one_sentence():
     """The mission's own command on a machine without Gemma 2B's weights: no random 2.5B
     model trained in silence (or killed by the kernel) but a request for the checkpoint."""

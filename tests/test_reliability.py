@@ -340,6 +340,7 @@ def test_the_command_line_prints_such_errors_as_one_line(tmp_path, monkeypatch, 
     assert capsys.readouterr().err.strip().splitlines() == [f"gpurl: error: {error}"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_per_layer_parameters_restores_stacked(tmp_path):
     """Checkpoints of earlier versions hold one entry per layer ("params.blocks.1.attn.q",
     and the same under the optimizer's moments); they restore into the stacked layout."""

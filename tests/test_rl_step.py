@@ -83,6 +83,7 @@ _PATTERNED_REMAT = dict(TINY_MODEL, family="gemma3", num_layers=3, post_norms=Tr
 
 @pytest.mark.parametrize("model", [TINY_MODEL, pytest.param(_PATTERNED_REMAT, marks=pytest.mark.slow)],
                          ids=["llama", "gemma3_remat"])
+@pytest.mark.slow
 def test_group_logprobs_equal_full_sequence_logprobs_and_gradients(model):
     """Sharing each prompt's forward pass across its G completions changes nothing: values
     and parameter gradients equal the plain forward pass over prompt + completion (with
@@ -136,6 +137,7 @@ def test_group_logprobs_equal_full_sequence_logprobs_and_gradients(model):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * max(1.0, float(np.abs(b).max())))
 
 
+@pytest.mark.slow
 def test_grpo_prepare_adds_a_reward_models_score_before_the_group_advantages():
     """algo.reward_model works for the GRPO family as for PPO: its score of each completion
     joins the functions' reward on device, before the advantages."""

@@ -253,7 +253,8 @@ def _max_diff(ours: list, ref: list) -> float:
     return max(float(np.abs(a - b).max()) for a, b in zip(ours, ref))
 
 
-@pytest.mark.parametrize("setting", list(SAMPLING))
+@pytest.mark.parametrize("setting", ["greedy", pytest.param("nucleus", marks=pytest.mark.slow),
+                                     pytest.param("top_k", marks=pytest.mark.slow)])
 def test_logprobs_match_training_forward(gemma2: Tiny, setting: str) -> None:
     """log_softmax(logits / temperature) before truncation (log_softmax(logits) when greedy):
     what token_logprobs gives the policy loss."""
@@ -345,6 +346,7 @@ def test_seeds_fix_the_sample(gemma2: Tiny) -> None:
     assert all((first[0][i] != other[0][i]).any() for i in range(4))
 
 
+@pytest.mark.slow
 def test_repeated_prompts_prefill_once_and_sample_the_same(gemma2: Tiny) -> None:
     """An RL batch repeats each prompt G times: `prepare` finds the runs and the prompt is
     prefilled once per run (its KV cache repeated), with the tokens and log-probs of
@@ -434,7 +436,7 @@ def test_compiles_bounded_by_buckets() -> None:
 # ------------------------------------------------------------------- sharded == unsharded
 
 
-@pytest.mark.parametrize("setting", ["greedy", "nucleus"])
+@pytest.mark.parametrize("setting", ["greedy", pytest.param("nucleus", marks=pytest.mark.slow)])
 def test_sharded_equals_unsharded(gemma2: Tiny, setting: str) -> None:
     """(data=2, tp=2) against one device; the nucleus sorts logits that tp splits."""
     single = gemma2.sampler(setting, ONE_DEVICE)

@@ -44,7 +44,8 @@ def _batch(place, size: int, step: int = 0):
     return {k: jax.device_put(v, place.batch) for k, v in batch.items()}
 
 
-@pytest.mark.parametrize("devices,batch,micro", [(1, 4, 1), pytest.param(4, 16, 4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("devices,batch,micro", [(1, 4, 1), (4, 16, 4)])
 def test_grad_accumulation_equals_one_big_batch(devices, batch, micro):
     spec, objective, optimizer, place = _pieces(CFG, jax.devices()[:devices])
     params = make_init(spec, optimizer, place, seed=0)().params
