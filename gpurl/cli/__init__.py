@@ -202,3 +202,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         except ConfigError as e:
             _fail(str(e))
     _run_hydra(command, rest)
+
+
+def run() -> None:
+    """The `gpurl` command: `main`, and after a user error (its sentence already printed,
+    exit status 2) an immediate exit: interpreter shutdown would let background threads
+    (Orbax's refused checkpoint reads, asyncio loops) print tracebacks after the sentence."""
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 2:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
+        raise

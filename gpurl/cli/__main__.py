@@ -1,5 +1,5 @@
 """`python -m gpurl.cli ...` is `gpurl ...`."""
 
-from gpurl.cli import main
+from gpurl.cli import run
 
-main()
+run()
