@@ -10,7 +10,8 @@ The `algo` group has one schema per family of algorithms (SFT, policy gradient: 
 family and PPO, preference optimization); each option in `configs/algo/` names the schema
 it fills, and `gpurl.algorithms.registry` maps an algorithm's name to its schema. This
 module imports only `gpurl.config_checks` (the value checks and `ConfigError`) and
-`gpurl.config_env` (the `env` group's schema, a leaf like this one): every other module
+`gpurl.config_env` and `gpurl.config_data` (the `env` and `data` groups' schemas, leaves
+like this one): every other module
 may import it.
 """
 
@@ -24,9 +25,10 @@ from typing import ClassVar, Optional
 from gpurl.config_checks import DTYPES, ConfigError, lookup
 from gpurl.config_checks import choice as _choice, enum_field as _enum, positive as _positive
 from gpurl.config_checks import tuplify as _tuplify
+from gpurl.config_data import DataConfig
 from gpurl.config_env import EnvConfig
 
-__all__ = ["DTYPES", "ConfigError", "EnvConfig", "lookup"]  # re-exported: imported from here
+__all__ = ["DTYPES", "ConfigError", "DataConfig", "EnvConfig", "lookup"]  # re-exported: imported from here
 
 
 # ---------------------------------------------------------------- choice enums
@@ -457,74 +459,6 @@ class ModelConfig:
     def is_global(self, layer: int) -> bool:
         """Whether `layer` attends to the whole context (else to `sliding_window` tokens)."""
         return self.sliding_window is None or (layer + 1) % self.global_every == 0
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    name: str = "arithmetic"  # source: arithmetic, arithmetic_prefs, countdown, calculator or guess_number (generated), gsm8k, math or jsonl (+ data.path), hf (+ data.dataset)
-    # data=jsonl: a jsonl, json, parquet, csv or arrow file or a save_to_disk directory, in
-    # gpurl's, TRL's or verl's layout (docs/data.md); gsm8k rows {"question","answer"}; math
-    # rows {"problem","solution"[,"answer"]}; dpo, simpo and orpo rows {"prompt","chosen","rejected"}
-    path: Optional[str] = None
-    eval_path: Optional[str] = None  # held-out rows (same formats); null = hold out data.num_eval rows of path
-    dataset: Optional[str] = None  # data=hf: a dataset in the local Hugging Face cache, e.g. openai/gsm8k (never downloaded)
-    subset: Optional[str] = None  # data=hf: the dataset's config name, e.g. main; null = its default
-    split: str = "train"  # data=hf, and save_to_disk directories holding several splits: the training split
-    eval_split: Optional[str] = None  # data=hf: the held-out split, e.g. test; null = hold out data.num_eval rows
-    prompt_key: str = "prompt"  # column holding the prompt (text or a chat list)
-    completion_key: str = "completion"  # column holding the SFT reference completion
-    messages_key: str = "messages"  # column holding a whole conversation (SFT: ends with the reply)
-    answer_key: Optional[str] = None  # column of the ground truth (rewards' `answer`; dots reach nested columns); null = answer, else verl's reward_model.ground_truth
-    chosen_key: str = "chosen"  # preference pairs: column of the preferred completion
-    rejected_key: str = "rejected"  # preference pairs: column of the other completion
-    max_len: int = 64  # tokens per row; longer examples are truncated (counted in the log)
-    packing: bool = False  # pack several examples into one row (attention stays per example)
-    chat_template: bool = False  # render prompt/completion through the tokenizer's chat template
-    num_train: int = 2000  # generated tasks: training examples
-    num_eval: int = 200  # held-out examples (generated tasks, and files without eval_path)
-    seed: int = 1234  # seed of the generated task items, the hold-out split and the few-shot set
-    few_shot: int = 0  # worked examples prepended to every prompt (drawn per prompt from training rows)
-    a_range: list[int] = field(default_factory=lambda: [0, 99])  # arithmetic: first operand in [lo, hi], inclusive
-    b_range: list[int] = field(default_factory=lambda: [0, 99])  # arithmetic: second operand in [lo, hi], inclusive
-    ops: list[str] = field(default_factory=lambda: ["+", "-"])  # arithmetic: any of +, -, * (a - b only when a >= b)
-    countdown_numbers: int = 3  # countdown: numbers given per problem (2 to 6)
-    countdown_max: int = 20  # countdown: numbers are drawn from 1..countdown_max
-    prompt_template: Optional[str] = None  # gsm8k and math: prompt with {question} (the question / problem); null = the source's own
-    append_eos: bool = True  # preference pairs: end chosen and rejected with the EOS token (as SFT completions)
-
-    def __post_init__(self) -> None:
-        _tuplify(self)
-        _choice("data.name", self.name, ("arithmetic", "countdown", "gsm8k", "math", "jsonl",
-                                         "hf", "arithmetic_prefs", "calculator", "guess_number"))
-        if self.name in ("jsonl", "gsm8k", "math") and not self.path:
-            raise ConfigError(f"data={self.name} needs a file; set data.path=/path/to/train.jsonl.")
-        if self.name == "hf" and not self.dataset:
-            raise ConfigError("data=hf needs a dataset; set data.dataset=owner/name (one in the "
-                              "local Hugging Face cache).")
-        _positive("data.max_len", self.max_len)
-        _positive("data.num_train", self.num_train)
-        _positive("data.num_eval", self.num_eval, allow_zero=True)
-        _positive("data.few_shot", self.few_shot, allow_zero=True)
-        if self.few_shot and self.name in ("jsonl", "hf"):
-            raise ConfigError("data.few_shot needs reference completions, which jsonl rows "
-                              "may lack; write the worked examples into the prompts and set "
-                              "data.few_shot=0.")
-        for key in ("a_range", "b_range"):
-            lo_hi = getattr(self, key)
-            if len(lo_hi) != 2 or not 0 <= lo_hi[0] <= lo_hi[1]:
-                raise ConfigError(f"data.{key}={list(lo_hi)} is not valid; give [lo, hi] "
-                                  f"with 0 <= lo <= hi.")
-        if not self.ops or not set(self.ops) <= {"+", "-", "*"}:
-            raise ConfigError(f"data.ops={list(self.ops)} is not valid; give a non-empty list "
-                              f"of +, - and *.")
-        if not 2 <= self.countdown_numbers <= 6:
-            raise ConfigError(f"data.countdown_numbers={self.countdown_numbers} is not valid; "
-                              f"use 2 to 6 numbers.")
-        _positive("data.countdown_max", self.countdown_max)
-        if self.prompt_template is not None and (
-                self.name not in ("gsm8k", "math") or "{question}" not in self.prompt_template):
-            raise ConfigError(f"data.prompt_template={self.prompt_template!r} is not valid; it "
-                              f"applies to data=gsm8k and data=math and must contain {{question}}.")
 
 
 @dataclass(frozen=True)

@@ -69,10 +69,12 @@ def test_imports_run_one_way_with_no_circle_and_none_inside_functions():
     assert not hidden, f"gpurl imports inside functions: {hidden}"
     # the schemas import only their value checks (and the env group's schema, which imports
     # only the checks), which import nothing from gpurl
-    assert edges["gpurl.config"] <= {"gpurl.config_checks", "gpurl.config_env"} \
+    assert edges["gpurl.config"] <= {"gpurl.config_checks", "gpurl.config_env",
+                                     "gpurl.config_data"} \
         and edges["gpurl.config_env"] <= {"gpurl.config_checks"} \
+        and edges["gpurl.config_data"] <= {"gpurl.config_checks"} \
         and not edges["gpurl.config_checks"], ("gpurl/config.py must import nothing from gpurl "
-                                               "but its leaves config_checks.py and config_env.py")
+                                               "but its leaves config_checks.py, config_env.py and config_data.py")
     state: dict[str, int] = {}
 
     def visit(node: str, trail: list[str]) -> None:
