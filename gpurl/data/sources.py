@@ -116,10 +116,10 @@ def _task_rows(cfg: DataConfig, need: str) -> tuple[list[dict], list[dict]]:
 
 def _file_rows(cfg: DataConfig, need: str) -> tuple[Sequence[dict], Sequence[dict]]:
     """data=jsonl (any file format) and data=hf: rows in gpurl's, TRL's or verl's layout."""
-    rows = _table_rows(cfg, cfg.path, "data.path", need)
-    if cfg.eval_path:
-        return rows, _table_rows(cfg, cfg.eval_path, "data.eval_path", need)
-    return _hold_out(rows, cfg)
+    def read(path: str | None, key: str) -> Rows:
+        return _converted(cfg, _open_file(cfg, path, key), str(path), need)
+
+    return _with_eval(cfg, read)
 
 
 def _hub_rows(cfg: DataConfig, need: str) -> tuple[Sequence[dict], Sequence[dict]]:
@@ -130,10 +130,24 @@ def _hub_rows(cfg: DataConfig, need: str) -> tuple[Sequence[dict], Sequence[dict
     return _hold_out(rows, cfg)
 
 
-def _table_rows(cfg: DataConfig, path: str | None, key: str, need: str) -> Rows:
+def _with_eval(cfg: DataConfig, read: Callable[[str | None, str], Rows],
+               ) -> tuple[Sequence[dict], Sequence[dict]]:
+    """(train, eval) rows of data.path and data.eval_path, or a hold-out of data.path."""
+    rows = read(cfg.path, "data.path")
+    if cfg.eval_path:
+        return rows, read(cfg.eval_path, "data.eval_path")
+    return _hold_out(rows, cfg)
+
+
+def _open_file(cfg: DataConfig, path: str | None, key: str) -> Any:
+    """The table of a data file that has rows (jsonl lines checked first: the error then
+    names the bad line, which pyarrow's reader cannot)."""
     if path and Path(path).suffix.lower() in (".jsonl", ".json"):
-        _check_json_lines(path, key)  # names the bad line, which pyarrow's reader cannot
-    return _converted(cfg, open_table(path, key, cfg.split), str(path), need)
+        _check_json_lines(path, key)
+    table = open_table(path, key, cfg.split)
+    if not len(table):
+        raise ConfigError(f"{path} has no rows; add some.")
+    return table
 
 
 def _converted(cfg: DataConfig, table: Any, source: str, need: str) -> Rows:
@@ -149,23 +163,15 @@ def _task_file_rows(convert: Callable[[dict, str, DataConfig], dict], columns_ne
 
     def rows_of(cfg: DataConfig, need: str) -> tuple[Sequence[dict], Sequence[dict]]:
         def read(path: str | None, key: str) -> Rows:
-            if path and Path(path).suffix.lower() in (".jsonl", ".json"):
-                _check_json_lines(path, key)
-            table = open_table(path, key, cfg.split)
-            names = columns(table)
+            table = _open_file(cfg, path, key)
             for field in columns_needed:
-                if field not in names:
+                if field not in columns(table):
                     raise ConfigError(f'{path} has no "{field}" column; data={cfg.name} rows '
                                       f"have {', '.join(columns_needed)}.")
-            if not len(table):
-                raise ConfigError(f"{path} has no rows; add some.")
             return Rows(table, lambda row, where: convert(row, where, cfg), str(path),
                         [columns_needed[0]])
 
-        rows = read(cfg.path, "data.path")
-        if cfg.eval_path:
-            return rows, read(cfg.eval_path, "data.eval_path")
-        return _hold_out(rows, cfg)
+        return _with_eval(cfg, read)
 
     return rows_of
 
@@ -243,7 +249,8 @@ def read_jsonl(path_str: str | None, key: str = "data.path",
     """Rows of a jsonl file of {"prompt"[, "completion"]} or {"messages"} objects; the
     completion is required when `need_completion` (SFT)."""
     cfg = DataConfig(name="jsonl", path=path_str)
-    return list(_table_rows(cfg, path_str, key, "examples" if need_completion else "prompts"))
+    table = _open_file(cfg, path_str, key)
+    return list(_converted(cfg, table, str(path_str), "examples" if need_completion else "prompts"))
 
 
 def _check_json_lines(path_str: str, key: str) -> None:
