@@ -43,6 +43,19 @@ def _layer_keys(key: str, layers: int) -> list[str]:
     return [".".join(parts[:i] + [str(layer)] + parts[i:]) for layer in range(layers)]
 
 
+def _mismatch(stored: dict[str, Any], wanted: dict[str, Any]) -> str | None:
+    """What differs between a checkpoint's arrays and the state to restore (a missing key
+    or a shape), or None when the checkpoint fits."""
+    missing = sorted(set(wanted) - set(stored))
+    if missing:
+        return f"no array {missing[0]} in the checkpoint"
+    for key, x in wanted.items():
+        shape = getattr(stored[key], "shape", None)
+        if shape is not None and tuple(shape) != tuple(x.shape):
+            return f"{key} is {tuple(shape)} in the checkpoint, {tuple(x.shape)} here"
+    return None
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int):
         self.directory = Path(directory).absolute()
@@ -74,10 +87,15 @@ class Checkpointer:
         target = _flat(jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             abstract_state, shardings))
-        per_layer = self._per_layer(step, target)
+        stored = self._stored(step)
+        per_layer = self._per_layer(stored, target)
+        wanted = per_layer or target
+        mismatch = _mismatch(stored, wanted) if stored is not None else None
         try:
+            if mismatch:  # refused before any read starts: no background read outlives it
+                raise ValueError(mismatch)
             restored = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(per_layer or target), meta=ocp.args.JsonRestore()))
+                state=ocp.args.StandardRestore(wanted), meta=ocp.args.JsonRestore()))
         except (ValueError, KeyError) as e:
             raise ConfigError(
                 f"the checkpoint at {self.directory}/{step} was written for another model or "
@@ -93,13 +111,19 @@ class Checkpointer:
                                    [flat[k] for k in _flat(abstract_state)])
         return state, dict(restored["meta"])
 
-    def _per_layer(self, step: int, target: dict[str, Any]) -> dict[str, Any] | None:
-        """The target in the per-layer layout of earlier checkpoints, when step holds one."""
+    def _stored(self, step: int) -> dict[str, Any] | None:
+        """The stored state's array metadata by key (shape, dtype); None when unreadable."""
         try:
-            stored = set(self._manager.item_metadata(step)["state"].keys())
+            return dict(self._manager.item_metadata(step)["state"])
         except Exception:  # noqa: BLE001 - no readable metadata: restore as usual
             return None
-        if set(target) <= stored or not any(_layer_keys(k, 1) != [k] for k in target):
+
+    def _per_layer(self, stored: dict[str, Any] | None,
+                   target: dict[str, Any]) -> dict[str, Any] | None:
+        """The target in the per-layer layout of earlier checkpoints, when step holds one."""
+        if stored is None:
+            return None
+        if set(target) <= set(stored) or not any(_layer_keys(k, 1) != [k] for k in target):
             return None
         out = {}
         for key, x in target.items():
@@ -110,7 +134,7 @@ class Checkpointer:
             layer_sharding = NamedSharding(x.sharding.mesh, P(*x.sharding.spec[1:]))
             out.update({k: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=layer_sharding)
                         for k in layers})
-        return out if set(out) <= stored else None
+        return out if set(out) <= set(stored) else None
 
     def close(self) -> None:
         self._manager.close()
