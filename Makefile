@@ -46,7 +46,7 @@ test: install slurm
 	$(BIN)/python -m pytest $(ARGS)
 
 # The unit tier: every test without a tier marker (pyproject.toml lists them), under 3 min.
-FAST_TIER := not (multiprocess or slurm or realmodel or e2e or slow or gpu)
+FAST_TIER := not (multiprocess or slurm or realmodel or e2e or slow or gpu or index or cuda_lowering)
 test-fast: install
 	$(BIN)/python -m pytest -m "$(FAST_TIER)" $(ARGS)
 

@@ -32,12 +32,16 @@ Implementations (`model.attention`):
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
+from gpurl.kernels import platform
 from gpurl.kernels.paged_attention import paged_decode_attention, paged_write
 from gpurl.kernels.pallas_attention import flash_attention
 from gpurl.kernels.pallas_paged import paged_decode_attention as paged_pallas
@@ -60,7 +64,7 @@ def resolve(implementation: str, backend: str | None = None) -> str:
         raise ValueError(
             f"attention implementation {implementation!r} is unknown; use one of "
             f"auto, {', '.join(IMPLEMENTATIONS)}.")
-    backend = backend or jax.default_backend()
+    backend = backend or platform.backend()
     if implementation == "cudnn" and backend != "gpu":
         raise ValueError(
             f"model.attention=cudnn needs a CUDA GPU but JAX runs on {backend}; "
@@ -94,6 +98,32 @@ def attention_mask(
     return mask_BxTxS
 
 
+@dataclass(frozen=True)
+class Shards:
+    """How a traced program splits attention's inputs over its mesh: rows (axis 0) over
+    the `rows` mesh axes, heads over the `heads` axes (None: whole on every device).
+
+    A Pallas kernel is one opaque call to XLA's partitioner, which would gather every row
+    and head to every device and run the whole kernel there; given `Shards`, each device
+    runs the kernel on its own rows and heads (`shard_map`), as the xla and cuDNN paths
+    are partitioned."""
+
+    mesh: Mesh
+    rows: Any  # a mesh axis name, a tuple of them, or None
+    heads: Any = None
+
+    def spec(self, ndim: int, heads: int | None = None, rows_axis: int = 0) -> P:
+        axes: list[Any] = [None] * ndim
+        axes[rows_axis] = self.rows
+        if heads is not None:
+            axes[heads] = self.heads
+        return P(*axes)
+
+    def run(self, fn: Callable, in_specs: tuple, out_specs: Any, *args: Any) -> Any:
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)(*args)
+
+
 def attention(
     q_BxTxHxE: jax.Array,
     k_BxSxKxE: jax.Array,
@@ -108,13 +138,16 @@ def attention(
     window: int | None = None,
     contiguous: bool = False,
     implementation: str = "xla",
+    shards: Shards | None = None,
 ) -> jax.Array:
     """Grouped-query attention; returns B x T x H x E in the query dtype.
 
     `implementation` is one of IMPLEMENTATIONS (resolve `auto` first with `resolve`);
     `contiguous` promises self-attention with positions counting up by one inside each
     segment (see the module docstring): `cudnn` needs it (its mask is index based) and
-    `xla` uses it to skip keys past the diagonal (`causal_groups`)."""
+    `xla` uses it to skip keys past the diagonal (`causal_groups`). `shards`: how the
+    inputs are split over the program's mesh, which the Pallas kernels run under (see
+    `Shards`)."""
     if implementation not in _IMPLEMENTATIONS:
         implementation = resolve(implementation)
     if implementation == "cudnn":
@@ -124,8 +157,12 @@ def attention(
             implementation = "pallas"
     args = (q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, q_positions_BxT, q_segments_BxT,
             kv_positions_BxS, kv_segments_BxS)
-    return _IMPLEMENTATIONS[implementation](*args, scale=scale, softcap=softcap, window=window,
-                                            contiguous=contiguous)
+    fn = functools.partial(_IMPLEMENTATIONS[implementation], scale=scale, softcap=softcap,
+                           window=window, contiguous=contiguous)
+    if implementation == "pallas" and shards is not None:
+        qkv, rows = shards.spec(4, heads=2), shards.spec(2)
+        return shards.run(fn, (qkv, qkv, qkv, rows, rows, rows, rows), qkv, *args)
+    return fn(*args)
 
 
 # fp32 attention logits of one query chunk of `xla` (B x H x chunk x S); see `query_chunk`.
@@ -246,7 +283,7 @@ def _xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS, scale, softcap):
 
 def _pallas(*args, scale, softcap, window, contiguous=False):
     del contiguous  # the kernels skip masked blocks from the positions themselves
-    interpret = jax.default_backend() != "gpu"
+    interpret = platform.backend() != "gpu"
     return flash_attention(*args, scale=scale, softcap=softcap, window=window,
                            interpret=interpret)
 
@@ -288,18 +325,25 @@ def paged_attention(q_BxHxE: jax.Array, k_BxKxE: jax.Array, v_BxKxE: jax.Array,
                     k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
                     table_BxI: jax.Array, lengths_B: jax.Array, live: jax.Array, *,
                     scale: float, softcap: float | None = None, window: int | None = None,
-                    implementation: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
+                    implementation: str = "xla", shards: Shards | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decode step over a paged KV pool (`paged_attention.py`: layout and mask): writes
     each row's new key and value at its position, then attends to the row's tokens up to
     it. Returns (B x H x E, the key pool, the value pool). `xla` runs the jnp reference;
     `pallas` (and `cudnn`, which has no paged form) the Pallas kernel of
-    `pallas_paged.py`, whose programs read only their own row's blocks."""
+    `pallas_paged.py`, whose programs read only their own row's blocks (with `shards`,
+    each device its own rows' pool shard: the pool's axis 0 is split like the rows)."""
     k_pool = paged_write(k_pool, layer, k_BxKxE, table_BxI, lengths_B)
     v_pool = paged_write(v_pool, layer, v_BxKxE, table_BxI, lengths_B)
     args = (q_BxHxE, k_pool, v_pool, layer, table_BxI, lengths_B, live)
     if implementation in ("pallas", "cudnn"):
-        out_BxHxE = paged_pallas(*args, scale=scale, softcap=softcap, window=window,
-                                 interpret=jax.default_backend() != "gpu")
+        fn = functools.partial(paged_pallas, scale=scale, softcap=softcap, window=window,
+                               interpret=platform.backend() != "gpu")
+        if shards is None:
+            out_BxHxE = fn(*args)
+        else:
+            q, pool, rows = shards.spec(3, heads=1), shards.spec(6, heads=4), shards.spec(1)
+            out_BxHxE = shards.run(fn, (q, pool, pool, P(), shards.spec(2), rows, P()), q, *args)
     else:
         out_BxHxE = paged_decode_attention(*args, scale=scale, softcap=softcap, window=window)
     return out_BxHxE, k_pool, v_pool

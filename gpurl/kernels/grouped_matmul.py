@@ -25,10 +25,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gpurl.kernels import platform
+
+
 def resolve(implementation: str) -> str:
     """`auto`: ragged on accelerators, tiled on CPU."""
     if implementation == "auto":
-        return "tiled" if jax.default_backend() == "cpu" else "ragged"
+        return "tiled" if platform.backend() == "cpu" else "ragged"
     return implementation
 
 

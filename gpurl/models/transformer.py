@@ -28,15 +28,16 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from gpurl.config import ModelConfig
-from gpurl.kernels.attention import attention, paged_attention, resolve
+from gpurl.kernels import platform
+from gpurl.kernels.attention import Shards, attention, paged_attention, resolve
 from gpurl.models import lora
-from gpurl.models.layers import ACTIVATIONS, constrain_rows, param as _param
+from gpurl.models.layers import ACTIVATIONS, constrain_rows, layout, param as _param
 from gpurl.models import moe
 from gpurl.models.moe import MoE
 
 
 def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu"
+    return platform.backend() == "cpu"
 
 
 def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
@@ -44,6 +45,20 @@ def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
     if cfg.dtype == "auto":
         return jnp.dtype(jnp.float32 if _on_cpu() else jnp.bfloat16)
     return jnp.dtype(cfg.dtype)
+
+
+def _kernel_shards(num_kv_heads: int) -> Shards | None:
+    """How the traced program splits attention's rows and heads (`sharded_rows` and its
+    rules' `kv_heads` axes), for the Pallas kernels; None when nothing is split."""
+    current = layout()
+    if current is None:
+        return None
+    mesh, spec = current.rows.mesh, current.rows.spec
+    rows = spec[0] if spec else None
+    axes = [a for a in (current.rules or {}).get("kv_heads", ()) if mesh.shape[a] > 1]
+    split = math.prod(mesh.shape[a] for a in axes)
+    heads = None if not axes or num_kv_heads % split else (axes[0] if len(axes) == 1 else tuple(axes))
+    return None if rows is None and heads is None else Shards(mesh, rows, heads)
 
 
 class RMSNorm(nnx.Module):
@@ -168,10 +183,11 @@ class Attention(nnx.Module):
             inv_freq_R = jnp.asarray(rope_frequencies(*rope_key))
             q_BxTxHxE = rope(q_BxTxHxE, positions_BxT, inv_freq_R)
             k_BxTxKxE = rope(k_BxTxKxE, positions_BxT, inv_freq_R)
+            shards = _kernel_shards(k_BxTxKxE.shape[2])
             if isinstance(cache, PagedKV):  # one decode step over a paged pool
                 out, cache = cache.attend(layer, q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, scale=self.scale,
                                           softcap=self.softcap, window=window,
-                                          implementation=self.implementation)
+                                          implementation=self.implementation, shards=shards)
                 return out, cache, (k_BxTxKxE, v_BxTxKxE)
             if cache is None:
                 keys, values, kv_pos, kv_seg = k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT
@@ -180,7 +196,8 @@ class Attention(nnx.Module):
                     layer, k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT)
             out = attention(q_BxTxHxE, keys, values, positions_BxT, segments_BxT, kv_pos,
                             kv_seg, scale=self.scale, softcap=self.softcap, window=window,
-                            contiguous=cache is None, implementation=self.implementation)
+                            contiguous=cache is None, implementation=self.implementation,
+                            shards=shards)
             return out, cache, (k_BxTxKxE, v_BxTxKxE)
 
         branches = [functools.partial(attend, *k) for k in self.kinds]

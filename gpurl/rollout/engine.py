@@ -304,14 +304,31 @@ class Engine(Generator):
         `width` tokens, runs of `group` identical ones, rollout.max_new_tokens each) at
         their largest shapes, compiled ahead of time from abstract arrays (the round then
         dispatches them); returns (the compiled programs, the KV pool's bytes per device)."""
-        n = self.cfg.max_new_tokens
-        per = -(-rows // self.local_shards)
-        live = min(per, self.cfg.slots)
-        blocks = -(-(width + n) // self.block)
-        pool_blocks = self._pool_blocks(live * blocks)
+        out = []
+        for _, fn, (static, *args) in self.round_programs(rows, width, group):
+            compiled = fn.lower(static, *args).compile()
+            self._compiled[self._key(fn, static, args)] = compiled
+            out.append(compiled)
+        pool = self._round_pool(rows, width)
+        per_device = self.pool_sharding.shard_shape(pool.shape)
+        return out, 2.0 * math.prod(per_device) * pool.dtype.itemsize
+
+    def _round_pool(self, rows: int, width: int) -> jax.ShapeDtypeStruct:
+        """The KV pool (keys or values) of a round of `rows` requests per process."""
+        live = min(-(-rows // self.local_shards), self.cfg.slots)
+        blocks = -(-(width + self.cfg.max_new_tokens) // self.block)
         layers, kv, e = self._pool_shape
-        pool = jax.ShapeDtypeStruct((self.shards, layers, pool_blocks, self.block, kv, e),
-                                    compute_dtype(self.spec.cfg), sharding=self.pool_sharding)
+        return jax.ShapeDtypeStruct(
+            (self.shards, layers, self._pool_blocks(live * blocks), self.block, kv, e),
+            compute_dtype(self.spec.cfg), sharding=self.pool_sharding)
+
+    def round_programs(self, rows: int, width: int, group: int) -> list[tuple[str, Any, tuple]]:
+        """(name, jitted function, abstract arguments) of the prefill and the decode chunk
+        of such a round at their largest shapes (`compile_round` compiles them; the CUDA
+        lowering tests lower them)."""
+        live = min(-(-rows // self.local_shards), self.cfg.slots)
+        blocks = -(-(width + self.cfg.max_new_tokens) // self.block)
+        pool = self._round_pool(rows, width)
         params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                               self.spec.abstract_params, self.param_shardings)
         stops = jax.ShapeDtypeStruct((1, self.spec.cfg.vocab_size), jnp.bool_,
@@ -333,14 +350,9 @@ class Engine(Generator):
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         chunk_args = (params, pool, pool, rows_of(c, bucket(blocks)), *(rows_of(c) for _ in range(3)),
                       rows_of(c, dt=jnp.bool_), *settings(c), stops, scalar, scalar, scalar)
-        out = []
-        for fn, static, args in ((self._prefill, (sampled, truncate), prefill_args),
-                                 (self._chunk, (sampled, truncate, self.cfg.decode_chunk), chunk_args)):
-            compiled = fn.lower(static, *args).compile()
-            self._compiled[self._key(fn, static, args)] = compiled
-            out.append(compiled)
-        per_device = self.pool_sharding.shard_shape(pool.shape)
-        return out, 2.0 * math.prod(per_device) * pool.dtype.itemsize
+        return [("rollout prefill", self._prefill, ((sampled, truncate), *prefill_args)),
+                ("rollout decode chunk", self._chunk,
+                 ((sampled, truncate, self.cfg.decode_chunk), *chunk_args))]
 
     # --------------------------------------------------------------- scheduling
 

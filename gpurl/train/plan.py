@@ -49,6 +49,11 @@ def abstract(tree: Any, shardings: Any) -> Any:
                         tree, shardings)
 
 
+def sharded(batch: dict[str, Any], sharding: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """A batch's shapes and dtypes, every array laid out by `sharding`."""
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in batch.items()}
+
+
 @dataclass
 class ProgramPlan:
     """One compiled program's memory per device, in bytes, by part."""
@@ -110,7 +115,7 @@ def plan_train_step(step: Program, place: Placement, batch: dict[str, Any], free
     from the shardings, gradients from the trainable parameters, the rest of the scratch
     as activations."""
     state = abstract(place.abstract_state, place.state)
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=place.batch) for k, v in batch.items()}
+    batch = sharded(batch, place.batch)
     t0 = time.perf_counter()
     compiled = step.compile(state, batch)
     compile_s = time.perf_counter() - t0

@@ -36,7 +36,7 @@ from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.rounds import RolloutEngine
 from gpurl.rollout.prompts import encode_prompts
 from gpurl.rollout.engine import MIN_PROMPT_BUCKET, bucket
-from gpurl.train.plan import shard_bytes
+from gpurl.train.plan import abstract, shard_bytes, sharded
 from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.stepper import Setup, Stepper
 from gpurl.train.weights import initial_policy
@@ -98,6 +98,16 @@ class PreferenceStepper(Stepper):
         if self.reference:
             spec["ref_logps"] = jax.ShapeDtypeStruct((self.train_cfg.batch_size, 2), jnp.float32)
         return spec
+
+    def programs(self) -> list[tuple[str, Any, tuple]]:
+        """The sequence log-probs (the reference's, and held-out pairs')."""
+        if self._logps is None:
+            return []
+        place = self.setup.place
+        pairs = {k: v for k, v in self.batch_spec().items() if k != "ref_logps"}
+        return [("sequence log-probs", self._logps,
+                 (abstract(place.abstract_state.params, place.state.params),
+                  sharded(pairs, place.batch)))]
 
     def resident_bytes(self) -> float:
         """The frozen reference beside the train state."""

@@ -40,7 +40,7 @@ from gpurl.rollout.engine import MIN_PROMPT_BUCKET, bucket
 from gpurl.train.metrics import DeviceTimer, Sum
 from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.stepper import Setup, Stepper
-from gpurl.train.plan import ProgramPlan, plan_rollout, shard_bytes
+from gpurl.train.plan import ProgramPlan, abstract, plan_rollout, shard_bytes, sharded
 from gpurl.train.weights import (initial_policy, reward_model_params, reward_model_shardings,
                                  reward_model_spec)
 
@@ -127,6 +127,10 @@ class RLStepper(Stepper):
 
     def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The prepared batch's shapes: the collector's arrays through the prepare step."""
+        return jax.eval_shape(self._prepare, *self._prepare_args(self._collected_spec()))[0]
+
+    def _collected_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The collector's arrays of a step, as the prepare step takes them."""
         p, g = self.train.batch_size, self.algo.num_generations
         n, w = self.engine.width, self.engine.prompt_width
         i32, f32 = jnp.int32, jnp.float32
@@ -137,11 +141,30 @@ class RLStepper(Stepper):
         replayed = self.engine.sampler.routes_shape
         if replayed is not None:  # routing replay: the sampler's experts per token
             collected["routes"] = sds((p, g, n, *replayed), jnp.int16)
-        params = self.setup.place.abstract_state.params
+        return collected
+
+    def _prepare_args(self, collected: dict) -> tuple:
+        """The prepare step's arguments, abstract, for a collected batch's shapes."""
+        place = self.setup.place
+        params = abstract(place.abstract_state.params, place.state.params)
         ref = self.setup.spec.policy_params(params) if self.own_ref else None
-        rm = self.reward_spec.abstract_params if self.reward_spec is not None else None
-        return jax.eval_shape(self._prepare, params, ref, rm, collected, sds((p * g,), f32),
-                              self.carry)[0]
+        rm = (abstract(self.reward_spec.abstract_params, self._rm_shardings)
+              if self.reward_spec is not None else None)
+        rows = self.train.batch_size * self.algo.num_generations
+        return (params, ref, rm, collected, jax.ShapeDtypeStruct((rows,), jnp.float32), self.carry)
+
+    def programs(self) -> list[tuple[str, Any, tuple]]:
+        """The prepare step (old, reference and reward-model log-probs, advantages) and the
+        rollout round's prefill and decode chunk."""
+        collected = sharded(self._collected_spec(), self.setup.place.batch)
+        return [("prepare", self._prepare, self._prepare_args(collected)),
+                *self.engine.sampler.round_programs(*self._round_shape())]
+
+    def _round_shape(self) -> tuple[int, int, int]:
+        """(requests per process, prompt width, identical runs) of a step's rollout round."""
+        rows, g = self.train.batch_size * self.algo.num_generations, self.algo.num_generations
+        group = math.gcd(g, rows // max(self.engine.sampler.mesh.shape["data"], 1))
+        return rows // runtime.process_count(), self.engine.plan_width, group
 
     def _frozen_bytes(self) -> float:
         """The reference and the reward model, per trainer device."""
@@ -176,17 +199,13 @@ class RLStepper(Stepper):
     def rollout_plan(self, limit: float) -> ProgramPlan:
         """The sampling program of a rollout round (batch_size x G rows at the run's prompt
         width), compiled for the run; colocated, the train state stays beside it."""
-        rows, g = self.train.batch_size * self.algo.num_generations, self.algo.num_generations
-        sampler = self.engine.sampler
-        group = math.gcd(g, rows // max(sampler.mesh.shape["data"], 1))
         resident = 0.0
         if self.sync.colocated:
             place = self.setup.place
             state = (shard_bytes(place.abstract_state.params, place.state.params)
                      + shard_bytes(place.abstract_state.opt_state, place.state.opt_state))
             resident = state - self._sampling_copy()[1] + self._frozen_bytes()
-        return plan_rollout(sampler, rows // runtime.process_count(), self.engine.plan_width,
-                            group, resident, limit)
+        return plan_rollout(self.engine.sampler, *self._round_shape(), resident, limit)
 
     def plan_prompt_len(self, tokens: int) -> None:
         """Rollouts of prompts padded to `tokens` (rounded up to a bucket) instead of the

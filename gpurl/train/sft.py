@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import jax
 
@@ -14,6 +16,7 @@ from gpurl.data.batching import eval_batches, process_rows, step_indices, take
 from gpurl.data.sft import TokenRows, encode_sft
 from gpurl.data.sources import load_examples
 from gpurl.distributed import runtime
+from gpurl.train.plan import abstract, sharded
 from gpurl.train.step import TrainState, make_eval_step
 from gpurl.train.stepper import Setup, Stepper
 
@@ -46,6 +49,11 @@ class SFTStepper(Stepper):
         rows = take(self.rows, np.arange(1))
         return {k: jax.ShapeDtypeStruct((self.train.batch_size,) + v.shape[1:], v.dtype)
                 for k, v in rows.items()}
+
+    def programs(self) -> list[tuple[str, Any, tuple]]:
+        place = self.setup.place
+        return [("eval step", self._eval_fn, (abstract(place.abstract_state.params, place.state.params),
+                                              sharded(self.batch_spec(), place.batch)))]
 
     def evaluate(self, params) -> dict[str, float]:
         totals: dict[str, float] = {}

@@ -75,6 +75,11 @@ class Stepper:
         """Bytes per device that stay beside the train state (a frozen reference)."""
         return 0.0
 
+    def programs(self) -> list[tuple[str, Any, tuple]]:
+        """(name, jitted function, abstract arguments) of each program the stepper runs
+        besides the train step: what `gpurl.train.lowering` lowers for another platform."""
+        return []
+
     def rollout_plan(self, limit: float) -> Any:
         """The sampling program's `ProgramPlan` (compiled ahead of time); None without one."""
         return None
