@@ -55,6 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gpurl.config import ConfigError, RolloutConfig
 from gpurl.distributed.mesh import Rules, replicated, tree_shardings
 from gpurl.models import moe
+from gpurl.kernels.attention import resolve as resolve_attention
 from gpurl.models.layers import sharded_rows
 from gpurl.models.spec import ModelSpec, Params
 from gpurl.models.transformer import PagedKV, compute_dtype
@@ -180,8 +181,9 @@ class Generator:
     def traced(self, fn: Callable) -> Callable:
         """`fn` tracing the model with its rows and parameter layout known, which a
         mixture-of-experts model needs to run its experts where their weights live
-        (`gpurl.models.moe`); a dense model's programs stay as they were."""
-        if not self.spec.cfg.moe.num_experts:
+        (`gpurl.models.moe`) and the Pallas attention kernels to run on each device's own
+        rows (`gpurl.kernels.attention.Shards`); other programs stay as they were."""
+        if not self.spec.cfg.moe.num_experts and resolve_attention(self.spec.cfg.attention) == "xla":
             return fn
 
         @functools.wraps(fn)
