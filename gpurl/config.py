@@ -472,6 +472,11 @@ class OptimConfig:
     b2: float = 0.999  # Adam beta2
     eps: float = 1e-8  # Adam epsilon
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0 = no clipping
+    # model.dtype=float16 only: dynamic loss scaling (the defaults of PyTorch's GradScaler): the
+    # loss is multiplied by the scale before the backward pass; an overflow skips the update
+    # and halves the scale, loss_scale_growth_every finite steps in a row double it
+    loss_scale_init: float = 65536.0  # the first scale (2^16)
+    loss_scale_growth_every: int = 2000  # finite steps in a row after which the scale doubles
     # regexes over parameter paths like "embed" or "blocks/mlp/up" (the layers are stacked,
     # so a block path names that parameter in every layer): matching parameters are not trained (no gradient, no optimizer state); [] = train everything
     freeze: list[str] = field(default_factory=list)
@@ -483,6 +488,8 @@ class OptimConfig:
         _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
         _positive("optim.max_grad_norm", self.max_grad_norm, allow_zero=True)
         _tuplify(self)
+        _positive("optim.loss_scale_init", self.loss_scale_init)
+        _positive("optim.loss_scale_growth_every", self.loss_scale_growth_every)
         for pattern in self.freeze:
             try:
                 re.compile(pattern)

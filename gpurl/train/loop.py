@@ -39,7 +39,7 @@ from gpurl.train.preference import PreferenceStepper
 from gpurl.train.rl import RLStepper
 from gpurl.train.sft import SFTStepper
 from gpurl.train.step import (NonFiniteError, Placement, checkpointed, complete, make_init,
-                              make_train_step, placement)
+                              make_train_step, placement, scaling_for)
 from gpurl.train.stepper import Setup, Stepper
 from gpurl.train.weights import load_initial
 
@@ -187,11 +187,14 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
     objective = algorithm.objective(cfg.algo, cfg.rollout)
     optimizer = train_optimizer(cfg.optim, model_cfg, algorithm.optimizer(cfg.algo),
                                 cfg.train.steps)
-    place = placement(spec, optimizer, mesh, cfg.mesh.train_rules)
+    # fp16 (model.dtype=float16): dynamic loss scaling, the scale in the train state
+    scaling = scaling_for(model_cfg, cfg.optim)
+    place = placement(spec, optimizer, mesh, cfg.mesh.train_rules, scaling)
     step_fn = make_train_step(spec, objective, optimizer, place, cfg.train.num_micro_batches,
-                              cfg.optim.freeze, skip_nonfinite=cfg.train.on_nonfinite == "skip")
+                              cfg.optim.freeze, skip_nonfinite=cfg.train.on_nonfinite == "skip",
+                              scaling=scaling)
     init = make_init(spec, optimizer, place, cfg.train.seed,
-                     lambda: load_initial(spec, place.state.params))
+                     lambda: load_initial(spec, place.state.params), scaling)
     setup = Setup(algorithm, cfg.algo, spec, objective, loading.load_tokenizer(model_cfg),
                   place, step_fn, init)
     return cfg, setup, stepper_cls.build(setup, cfg)

@@ -13,7 +13,7 @@ from gpurl.distributed.mesh import trainer_mesh
 from gpurl.models.spec import Params
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.optim import train_optimizer
-from gpurl.train.step import checkpointed, complete, make_init, placement
+from gpurl.train.step import checkpointed, complete, make_init, placement, scaling_for
 from gpurl.train.weights import load_initial
 
 
@@ -48,15 +48,17 @@ def restore_run(run_dir: str | Path, step: int | None = None,
     spec = algorithm.model(cfg.algo, cfg.model)
     optimizer = train_optimizer(cfg.optim, cfg.model, algorithm.optimizer(cfg.algo),
                                 cfg.train.steps)
+    scaling = scaling_for(cfg.model, cfg.optim)
     place = placement(spec, optimizer, trainer_mesh(MeshConfig(data=1, fsdp=-1)),
-                      cfg.mesh.train_rules)
+                      cfg.mesh.train_rules, scaling)
     state, _ = ckpt.restore(step, checkpointed(place, place.abstract_state),
                             checkpointed(place, place.state))
     ckpt.close()
     # A LoRA checkpoint holds the adapters; the base comes from the model's checkpoint
     # (or its seeded random init), as when the run started.
     state = complete(place, state, make_init(spec, optimizer, place, cfg.train.seed,
-                                             lambda: load_initial(spec, place.state.params)))
+                                             lambda: load_initial(spec, place.state.params),
+                                             scaling))
     if not language_model:
         return cfg, state.params
     if spec.policy is None:

@@ -17,10 +17,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.algorithms.objective import Batch, Objective
+from gpurl.config import ModelConfig, OptimConfig
 from gpurl.distributed.mesh import Rules, batch_sharding, replicated, tree_shardings
 from gpurl.models import lora, moe
 from gpurl.models.paths import param_path
 from gpurl.models.spec import ModelSpec, Params
+from gpurl.models.transformer import compute_dtype
 from gpurl.models.layers import sharded_rows
 from gpurl.train.optim import trainable
 
@@ -31,18 +33,56 @@ class NonFiniteError(RuntimeError):
 
 
 @flax.struct.dataclass
+class LossScale:
+    """Dynamic loss scaling of an fp16 run, kept in the train state and its checkpoints."""
+
+    scale: jax.Array  # float32 scalar: the loss is multiplied by it before the backward pass
+    finite_steps: jax.Array  # int32 scalar: finite steps in a row since the scale last changed
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How the scale moves (`optim.loss_scale_init`, `optim.loss_scale_growth_every`): an
+    overflow (a non-finite gradient) skips the update and halves the scale; `growth_every`
+    finite steps in a row double it. The values are PyTorch's GradScaler defaults
+    (init 2^16, growth factor 2, backoff 0.5, growth interval 2000)."""
+
+    init: float = 65536.0
+    growth_every: int = 2000
+
+    def start(self) -> LossScale:
+        return LossScale(jnp.float32(self.init), jnp.zeros((), jnp.int32))
+
+    def update(self, ls: LossScale, overflow: jax.Array) -> LossScale:
+        grown = ls.finite_steps + 1 >= self.growth_every
+        scale = jnp.where(overflow, ls.scale * 0.5, jnp.where(grown, ls.scale * 2.0, ls.scale))
+        count = jnp.where(overflow | grown, 0, ls.finite_steps + 1)
+        return LossScale(jnp.maximum(scale, 1.0).astype(jnp.float32), count.astype(jnp.int32))
+
+
+def scaling_for(model: ModelConfig, optim: OptimConfig) -> Scaling | None:
+    """The loss scaling of a run: fp16 compute (model.dtype=float16) has one, others none."""
+    if compute_dtype(model) != jnp.float16:
+        return None
+    return Scaling(optim.loss_scale_init, optim.loss_scale_growth_every)
+
+
+@flax.struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: Params
     opt_state: optax.OptState
     rng: jax.Array  # uint32[2] key data: advanced every step, saved in checkpoints
+    loss_scale: LossScale | None = None  # fp16 runs only (None: no leaves, no checkpoint keys)
 
 
-def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation, seed: int,
+               scaling: Scaling | None = None) -> TrainState:
     params = spec.init(seed)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(params),
-                      rng=jax.random.key_data(jax.random.key(seed + 1)))
+                      rng=jax.random.key_data(jax.random.key(seed + 1)),
+                      loss_scale=None if scaling is None else scaling.start())
 
 
 @dataclass(frozen=True)
@@ -79,9 +119,9 @@ def complete(place: Placement, restored: TrainState, init: Callable[[], TrainSta
 
 
 def placement(spec: ModelSpec, optimizer: optax.GradientTransformation, mesh: Mesh,
-              rules: Rules) -> Placement:
+              rules: Rules, scaling: Scaling | None = None) -> Placement:
     """State shardings from `jax.eval_shape(init)`: optimizer moments follow their params."""
-    abstract = jax.eval_shape(lambda: init_state(spec, optimizer, 0))
+    abstract = jax.eval_shape(lambda: init_state(spec, optimizer, 0, scaling))
     param_sh = tree_shardings(abstract.params, spec.logical_axes, rules, mesh)
     by_path = {param_path(path): (sh, x.shape) for (path, sh), x in zip(
         jax.tree_util.tree_flatten_with_path(param_sh)[0], jax.tree.leaves(abstract.params))}
@@ -98,7 +138,8 @@ def placement(spec: ModelSpec, optimizer: optax.GradientTransformation, mesh: Me
 
     state_sh = TrainState(step=replicated(mesh), params=param_sh,
                           opt_state=jax.tree_util.tree_map_with_path(follow, abstract.opt_state),
-                          rng=replicated(mesh))
+                          rng=replicated(mesh),
+                          loss_scale=jax.tree.map(lambda _: replicated(mesh), abstract.loss_scale))
     frozen = lora.frozen_base(abstract.params) if lora.has_adapters(abstract.params) else None
     return Placement(mesh, state_sh, batch_sharding(mesh, rules), abstract, frozen, rules)
 
@@ -116,14 +157,17 @@ def _split_micro(batch: Batch, num_micro: int, rows: NamedSharding) -> Batch:
 
 def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, num_micro: int,
                      params: Params, batch: Batch, trainable: Any = None,
-                     rng: jax.Array | None = None) -> tuple[Params, dict]:
+                     rng: jax.Array | None = None, loss_scale: jax.Array | None = None
+                     ) -> tuple[Params, dict]:
     """Gradient of the global-batch loss, summed over micro-batches in a `lax.scan`.
 
     Each micro-batch's loss is its share of the global loss (normalizer computed once on
     the whole batch), so M micro-batches of B/M give the gradient of one batch of B.
     Parameters that `trainable` marks False are not differentiated (their gradient is 0):
     a frozen tied embedding then costs no vocabulary-sized gradient matmul. `rng` (a key)
-    seeds LoRA dropout, a different mask in every micro-batch."""
+    seeds LoRA dropout, a different mask in every micro-batch. With `loss_scale` (fp16)
+    the loss is multiplied by it before the backward pass and the summed gradient divided
+    by it in float32; the metrics keep the unscaled loss."""
     norm = objective.normalizer(batch)
     if trainable is None:
         trainable = jax.tree.map(lambda _: True, params)
@@ -135,13 +179,17 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
     # the decoder's config: a language model's or reward model's own, PPO's policy's
     experts = (spec.cfg if hasattr(spec, "cfg") else spec.policy.cfg).moe
 
-    def loss_of_trainable(train_p, micro: Batch):
+    def unscaled_loss(train_p, micro: Batch):
         full = jax.tree.map(lambda a, b: b if a is None else a, train_p, frozen_p, is_leaf=is_none)
         if not experts.num_experts:
             return objective.loss(spec, full, micro, norm)
         with moe.collect() as found:  # the router terms of the forward passes of this loss
             loss, metrics = objective.loss(spec, full, micro, norm)
         return moe.add_router_terms(loss, metrics, found, experts, 1.0 / num_micro)
+
+    def loss_of_trainable(train_p, micro: Batch):
+        loss, metrics = unscaled_loss(train_p, micro)
+        return (loss if loss_scale is None else loss * loss_scale), metrics
 
     grad_fn = jax.value_and_grad(loss_of_trainable, has_aux=True)
 
@@ -158,6 +206,8 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
     grads, metrics_M = jax.lax.scan(body, zeros, (micro_M, keys_M))
     grads = jax.tree.map(lambda g, p: jnp.zeros_like(p) if g is None else g, grads, params,
                          is_leaf=is_none)
+    if loss_scale is not None:
+        grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / loss_scale).astype(g.dtype), grads)
     return grads, jax.tree.map(lambda m: m.sum(0), metrics_M)
 
 
@@ -198,32 +248,45 @@ class Program:
 
 def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.GradientTransformation,
                     place: Placement, num_micro: int, freeze: tuple[str, ...] = (),
-                    skip_nonfinite: bool = False) -> Program:
+                    skip_nonfinite: bool = False, scaling: Scaling | None = None) -> Program:
     """The jitted step. Its metrics hold `nonfinite` (1.0 when the loss or the gradient
     norm is NaN or infinite); with `skip_nonfinite` such an update is left out: parameters
-    and optimizer state come back unchanged (the step counter and RNG still advance)."""
+    and optimizer state come back unchanged (the step counter and RNG still advance).
+    With `scaling` (fp16; the state holds a `LossScale`) a non-finite gradient of a finite
+    loss is an overflow: the update is left out, the scale halved (`Scaling`), and the
+    step is not `nonfinite`; metrics `loss_scale` (the scale the step used) and `overflow`."""
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         train = trainable(state.params, freeze)
         if place.frozen is not None:
             train = jax.tree.map(lambda t, f: t and not f, train, place.frozen)
         key, dropout_key = jax.random.split(jax.random.wrap_key_data(state.rng))
+        scale = None if state.loss_scale is None else state.loss_scale.scale
         grads, metrics = accumulate_grads(spec, objective, place, num_micro, state.params, batch,
-                                          train, dropout_key)
+                                          train, dropout_key, scale)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["update_norm"] = optax.tree.norm(updates)
-        finite = jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(metrics.get("loss", 0.0))
-        metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
+        finite_loss = jnp.isfinite(metrics.get("loss", 0.0))
+        finite = jnp.isfinite(metrics["grad_norm"]) & finite_loss
+        loss_scale = state.loss_scale
+        if scaling is not None and loss_scale is not None:
+            overflow = finite_loss & ~finite
+            metrics["loss_scale"] = loss_scale.scale
+            metrics["overflow"] = overflow.astype(jnp.float32)
+            loss_scale = scaling.update(loss_scale, overflow)
+            metrics["nonfinite"] = 1.0 - finite_loss.astype(jnp.float32)
+        else:
+            metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
         # Frozen parameters are passed through, not added to a zero update: with LoRA that
         # would touch every base weight each step.
         params = jax.tree.map(lambda p, u, t: (p + u).astype(p.dtype) if t else p,
                               state.params, updates, train)
-        if skip_nonfinite:
+        if skip_nonfinite or scaling is not None:
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
             params = jax.tree.map(keep, params, state.params)
             opt_state = jax.tree.map(keep, opt_state, state.opt_state)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                               rng=jax.random.key_data(key))
+                               rng=jax.random.key_data(key), loss_scale=loss_scale)
         return new_state, metrics
 
     return Program(jit_rows(step, place, in_shardings=(place.state, place.batch),
@@ -241,19 +304,21 @@ def make_eval_step(spec: ModelSpec, objective: Objective, place: Placement) -> C
 
 
 def make_init(spec: ModelSpec, optimizer: optax.GradientTransformation, place: Placement,
-              seed: int, load_params: Callable[[], Params | None] = lambda: None
-              ) -> Callable[[], TrainState]:
+              seed: int, load_params: Callable[[], Params | None] = lambda: None,
+              scaling: Scaling | None = None) -> Callable[[], TrainState]:
     """Creates the state directly in its shards (never whole on one device): random
     parameters, or the ones `load_params` places (a checkpoint's), with a fresh optimizer."""
     def init() -> TrainState:
         params = load_params()
         if params is None:
-            return jax.jit(lambda: init_state(spec, optimizer, seed), out_shardings=place.state)()
+            return jax.jit(lambda: init_state(spec, optimizer, seed, scaling),
+                           out_shardings=place.state)()
         if place.frozen is not None and not lora.has_adapters(params):  # a base checkpoint
             params = lora.with_fresh_adapters(spec, params, place.state.params, seed)
         fresh = jax.jit(lambda p: TrainState(
             step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p),
-            rng=jax.random.key_data(jax.random.key(seed + 1))),
+            rng=jax.random.key_data(jax.random.key(seed + 1)),
+            loss_scale=None if scaling is None else scaling.start()),
             in_shardings=(place.state.params,), out_shardings=place.state, donate_argnums=0)
         return fresh(params)
 
