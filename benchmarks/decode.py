@@ -118,7 +118,7 @@ def kv_bytes_per_token(spec: Any) -> int:
     from gpurl.models import init_cache
 
     cache = jax.eval_shape(lambda: init_cache(spec.cfg, 1, 1))
-    return sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v)))
 
 
 def time_calls(sampler: Any, params: Any, prompts: list[list[int]], new: int,

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# One command for one H100 / H200: train-step MFU (gemma2b-sized, bf16), decode tokens/s
+# One command for one H100 / H200, what a person checks on a new GPU machine, in under 8
+# minutes: the `gpu` test tier (cuDNN and Triton-compiled Pallas attention vs xla, the real
+# Gemma 3 270M's bf16 logits vs fp32), train-step MFU (gemma2b-sized, bf16), decode tokens/s
 # against the HBM-bandwidth bound (gemma2b-sized random weights, batch 256, bf16), and the
-# GRPO step breakdown (rollout / reward / train / sync) of the main job, in under 8 minutes
-# (each part has a time limit; a part that fails or runs out is reported and skipped).
+# real main job for 10 steps with its GRPO step breakdown (rollout / reward / train / sync);
+# one summary table at the end. Each part has a time limit; a part that fails or runs out
+# is reported and the next one runs.
 #
 #   benchmarks/gpu.sh [OUT_DIR]      # GPU: JSON + logs in OUT_DIR, a summary table at the end
 #   benchmarks/gpu.sh --cpu-smoke    # the same pieces at tiny sizes on CPU (checks the script)
 #
-# Parts: benchmarks/train_step.py (MFU, issue 8), benchmarks/decode.py, benchmarks/grpo_step.py.
+# Parts: pytest -m gpu (tests/test_gpu.py, tests/test_attention.py), benchmarks/train_step.py
+# (MFU), benchmarks/decode.py, benchmarks/grpo_step.py (the main job through `gpurl train`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -25,13 +29,13 @@ if [ $SMOKE = 1 ]; then
               --batch 2 --seq 128 --matmul 512 --repeats 2 --attention xla"
   DECODE_ARGS="--cpu-smoke"
   GRPO_ARGS="--cpu-smoke"
-  LIMITS=(600 300 300)
+  LIMITS=(120 600 300 300)
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
   TRAIN_ARGS=""  # train_step.py's defaults: gemma2b, bf16, batch 4 x 2048 tokens
   DECODE_ARGS="--model gemma2b --dtype bfloat16 --batch 256 --prompt-tokens 128 --new-tokens 128"
-  GRPO_ARGS="--steps 6"  # the main job: GRPO on Gemma 3 270M (bf16 on GPU), 4 prompts x G=8
-  LIMITS=(200 110 150)  # seconds: 460 in all, leaving the rest of 8 minutes for start-up
+  GRPO_ARGS="--steps 10"  # the main job: GRPO on Gemma 3 270M (bf16 on GPU), 4 prompts x G=8
+  LIMITS=(90 140 80 150)  # seconds: 460 in all, leaving the rest of 8 minutes for start-up
 fi
 
 run_part() {  # name, limit seconds, command...
@@ -45,9 +49,11 @@ run_part() {  # name, limit seconds, command...
 }
 
 # shellcheck disable=SC2086  # the argument lists are meant to split
-run_part train_step "${LIMITS[0]}" "$PY" benchmarks/train_step.py $TRAIN_ARGS --json "$OUT/train_step.json"
-run_part decode "${LIMITS[1]}" "$PY" benchmarks/decode.py $DECODE_ARGS --json "$OUT/decode.json"
-run_part grpo_step "${LIMITS[2]}" "$PY" benchmarks/grpo_step.py $GRPO_ARGS --json "$OUT/grpo_step.json"
+run_part gpu_tests "${LIMITS[0]}" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
+  tests/test_gpu.py tests/test_attention.py
+run_part train_step "${LIMITS[1]}" "$PY" benchmarks/train_step.py $TRAIN_ARGS --json "$OUT/train_step.json"
+run_part decode "${LIMITS[2]}" "$PY" benchmarks/decode.py $DECODE_ARGS --json "$OUT/decode.json"
+run_part grpo_step "${LIMITS[3]}" "$PY" benchmarks/grpo_step.py $GRPO_ARGS --json "$OUT/grpo_step.json"
 
 "$PY" - "$OUT" <<'EOF'
 import json, sys
@@ -64,6 +70,12 @@ print("| --- | ---: | ---: |")
 def load(name):
     path = out / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+log = out / "gpu_tests.log"
+summary = [l for l in log.read_text().splitlines() if " in " in l and ("passed" in l or "skipped" in l
+           or "failed" in l)] if log.exists() else []
+print(f"| gpu test tier (cuDNN, Triton kernels, bf16 vs fp32 logits) | "
+      f"{summary[-1].strip('= ') if summary else 'did not run (see gpu_tests.log)'} | all pass |")
 
 if (ts := load("train_step")) is not None:
     for r in ts["rows"]:
@@ -82,7 +94,7 @@ else:
     print("| decode | not measured (see decode.log) | |")
 if (g := load("grpo_step")) is not None:
     m, s = g["median_s"], g["share"]
-    print(f"| GRPO step (median) | {m['step']} s | |")
+    print(f"| main job, {g.get('steps', '?')} steps: GRPO step (median) | {m['step']} s | |")
     for p in ("rollout", "reward", "train", "sync"):
         print(f"| GRPO {p} | {m[p]} s ({s[p]:.0%}) | |")
 else:

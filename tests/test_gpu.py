@@ -1,0 +1,110 @@
+"""The checks a person runs on a new GPU machine (tier `gpu`; skipped without a CUDA GPU;
+`benchmarks/gpu.sh` runs them first): the Pallas kernels compiled by Triton against the
+xla reference, forward and backward, and the paged decode kernel; the real Gemma 3 270M's
+bf16 logits against its fp32 logits. cuDNN attention's parity is
+`tests/test_attention.py::test_cudnn_matches_reference` (also in the tier).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gpurl.config import MeshConfig, ModelConfig
+from gpurl.distributed.mesh import trainer_mesh, tree_shardings
+from gpurl.kernels.paged_attention import paged_decode_attention
+from gpurl.kernels.pallas_attention import flash_attention
+from gpurl.kernels.pallas_paged import paged_decode_attention as paged_pallas
+from gpurl.models import model_spec
+from gpurl.models.gguf import load_gguf_params, model_config_from_gguf
+from test_attention import Case, _paged_case, assert_close, reference, value_and_grads
+
+def gpu_only(test):
+    """The `gpu` tier: runs on a CUDA GPU, skipped elsewhere."""
+    skip = pytest.mark.skipif(jax.default_backend() != "gpu",
+                              reason="needs a CUDA GPU (the gpu tier; benchmarks/gpu.sh)")
+    return pytest.mark.gpu(skip(test))
+
+GPU_CASES = {
+    "gqa-bf16-window-softcap": Case(b=2, t=256, s=256, h=8, k=2, d=64, dtype="bfloat16",
+                                    window=96, softcap=30.0, packed=True),
+    "mqa-bf16-d256": Case(b=1, t=192, s=192, h=4, k=1, d=256, dtype="bfloat16", packed=True),
+    "prefill-into-cache-fp32": Case(b=2, t=64, s=160, h=4, k=2, d=64, window=80),
+}
+
+
+@gpu_only
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_triton_flash_attention_matches_reference(name):
+    c = GPU_CASES[name]
+
+    def compiled(*args, **kw):
+        return flash_attention(*args, **kw, interpret=False)
+
+    want, want_grads = value_and_grads(reference, c)
+    got, got_grads = value_and_grads(compiled, c)
+    assert_close(got, want, c.dtype, "output")
+    for what, g, w in zip(("dq", "dk", "dv"), got_grads, want_grads):
+        assert_close(g, w, c.dtype, what)
+
+
+@gpu_only
+@pytest.mark.parametrize("window,softcap", [(None, None), (8, 5.0)])
+def test_triton_paged_decode_matches_reference(window, softcap):
+    q, k, v, table, lengths = _paged_case(2)
+    kw = dict(scale=0.3, softcap=softcap, window=window)
+    want = paged_decode_attention(q, k, v, jnp.int32(1), table, lengths, jnp.int32(3), **kw)
+    got = jax.jit(lambda *a: paged_pallas(*a, **kw, interpret=False))(
+        q, k, v, jnp.int32(1), table, lengths)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+
+
+@gpu_only
+def test_real_model_bf16_logits_match_fp32(gemma3_gguf: Path):
+    """Gemma 3 270M on 64 tokens of text: bf16 compute against fp32 (same weights)."""
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(np.concatenate([[[2]], rng.integers(100, 20000, (1, 63))], 1), jnp.int32)
+    positions = jnp.arange(64, dtype=jnp.int32)[None]
+    segments = jnp.ones((1, 64), jnp.int32)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = model_config_from_gguf(gemma3_gguf, ModelConfig(dtype=dtype, attention="auto"))
+        spec = model_spec(dataclasses.replace(cfg))
+        mesh = trainer_mesh(MeshConfig(data=1), jax.devices()[:1])
+        params = load_gguf_params(gemma3_gguf, spec, tree_shardings(
+            spec.abstract_params, spec.logical_axes, MeshConfig().train_rules, mesh))
+        out[dtype] = np.asarray(jax.jit(spec.apply)(params, tokens, positions, segments),
+                                np.float32)
+    f32, bf16 = out["float32"], out["bfloat16"]
+    # bf16 keeps 8 mantissa bits: logits agree to a few percent of their spread, and the
+    # next-token choice agrees almost everywhere
+    spread = float(f32.std())
+    assert float(np.abs(bf16 - f32).mean()) < 0.05 * spread
+    assert float((bf16.argmax(-1) == f32.argmax(-1)).mean()) >= 0.9
+
+
+@pytest.mark.e2e
+def test_the_gpu_command_passes_its_cpu_smoke_form(tmp_path):
+    """`benchmarks/gpu.sh --cpu-smoke`: every part of the GPU command at tiny sizes on CPU
+    (the gpu tier collected and skipped, train-step MFU, decode, the main job's breakdown),
+    so the one command a lent GPU runs is known to work end to end before it gets one."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu"
+    run = subprocess.run(["bash", str(root / "benchmarks" / "gpu.sh"), "--cpu-smoke", str(out)],
+                         capture_output=True, text=True, timeout=900, cwd=root,
+                         env={**os.environ, "PYTHON": sys.executable})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert not (out / "failed.txt").exists(), (out / "failed.txt").read_text()
+    table = run.stdout[run.stdout.index("| measurement |"):]
+    assert "not measured" not in table and "did not run" not in table, table
+    for row in ("gpu test tier", "train step MFU", "decode tok/s", "main job", "GRPO rollout"):
+        assert row in table, table
+
