@@ -12,7 +12,11 @@ simulated devices, nothing allocated) over the presets, from abstract arrays onl
     python benchmarks/plan.py markdown plan1.json plan8.json
 
 One process simulates one device count (`plan.devices`, set before JAX starts). On a GPU
-machine, `--devices 0` plans for the devices there are (the GPU compiler's figures).
+machine, `--devices 0` plans for the devices there are (the GPU compiler's figures). With
+`--target h100` (JAX's CUDA plugin installed: the `gpu-plan` extra) the programs are
+compiled by XLA's GPU compiler for `--devices` compile-only H100s, no GPU needed:
+
+    python benchmarks/plan.py settings --devices 8 --target h100 --json settings8-h100.json
 """
 
 from __future__ import annotations
@@ -157,19 +161,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--presets", default=",".join(PRESETS))
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--remat", default="none,full", help="settings: the remat policies to compare")
+    p.add_argument("--target", default="", help="compile for this GPU (plan.target), e.g. h100")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.what == "markdown":
         return markdown(args.files)
-    if args.devices:
+    if args.target:
+        jax.config.update("jax_platforms", "cpu")  # compiled for, never run on
+    elif args.devices:
         simulate_devices(args.devices)
     extra = [f"plan.devices={args.devices}"] if args.devices else []
+    extra += [f"plan.target={args.target}"] if args.target else []
     extra += [f"plan.device_memory_gb={args.memory_gb}"] if args.memory_gb else []
     results = (table if args.what == "table" else settings)(args, extra)
     if args.json:
         meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
                 "backend": jax.default_backend(), "machine": platform.processor() or platform.machine(),
-                "devices": args.devices}
+                "devices": args.devices, "target": args.target}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
 

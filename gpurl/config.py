@@ -671,8 +671,9 @@ class PlanConfig:
     """The memory plan: every program of a run compiled ahead of time, nothing allocated
     (`gpurl plan` prints it; `gpurl train` checks it before it allocates anything)."""
 
-    devices: int = 0  # gpurl plan: simulate this many CPU devices (8 = an 8-GPU node); 0 = the devices there are
-    device_memory_gb: float = 0.0  # memory of one device in GiB; 0 = the device's own (CPU: host RAM / local devices; simulated: 80)
+    devices: int = 0  # gpurl plan: simulate this many CPU devices (8 = an 8-GPU node), or with plan.target that many GPUs; 0 = the devices there are (plan.target: 1)
+    target: str = ""  # gpurl plan: compile for this GPU without one (h100, h200, a100, v100; needs the gpu-plan extra); "" = this machine's compiler
+    device_memory_gb: float = 0.0  # memory of one device in GiB; 0 = the device's own (CPU: host RAM / local devices; simulated: 80; plan.target: its memory x XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75)
     check: bool = True  # gpurl train stops with one sentence when a program does not fit
     prompt_len: int = 0  # gpurl plan, RL: plan for prompts of this many tokens; 0 = the data's longest
 

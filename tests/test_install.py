@@ -9,8 +9,6 @@ reached; a resolution failure fails with pip's output."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,8 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
+
+from pip_index import network_error, pip, tail
 
 try:
     import tomllib
@@ -32,39 +32,6 @@ pytestmark = [pytest.mark.index, pytest.mark.slow,
               pytest.mark.skipif(sys.platform != "linux",
                                  reason="JAX's CUDA wheels exist for Linux only")]
 
-# What pip (urllib3) prints when the index cannot be reached: refused, no route, DNS, proxy,
-# timeouts. Anything else that fails is the test's business.
-NETWORK_ERRORS = ("NewConnectionError", "NameResolutionError", "ConnectTimeoutError",
-                  "ProxyError", "Max retries exceeded", "Network is unreachable",
-                  "Temporary failure in name resolution", "Name or service not known",
-                  "Connection refused", "Read timed out", "connection error")
-
-
-def _pip(*args: str, timeout: float) -> tuple[int, str]:
-    env = {**os.environ, "PIP_NO_INPUT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    try:
-        done = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True,
-                              text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:  # its captured output is bytes even with text=True
-        out = b"".join(part or b"" for part in (e.stdout, e.stderr)).decode(errors="replace")
-        return -1, out + f"\n(pip did not finish within {timeout:.0f} s)"
-    return done.returncode, done.stdout + done.stderr
-
-
-def _network_error(out: str) -> str | None:
-    """The first line of pip's output naming a connection failure, or None."""
-    for line in out.splitlines():
-        if any(sig in line for sig in NETWORK_ERRORS):
-            return line.split("connection broken by ")[-1].strip(" '")[:160]
-    return None
-
-
-def _tail(out: str, lines: int = 40) -> str:
-    # Local find-links / file indexes without a project print one warning per name: noise.
-    kept = [ln for ln in out.splitlines() if "it is neither a file nor a directory" not in ln]
-    return "\n".join(kept[-lines:])
-
-
 def _jax_pin() -> SpecifierSet:
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     pins = [Requirement(d).specifier for d in deps if Requirement(d).name == "jax"]
@@ -76,26 +43,26 @@ def _dry_run(extra: str, report: Path) -> dict:
     plugin = f"jax-{extra}-plugin"
     # Reachability, narrowly: the plugin is on the index only (jax and jaxlib may also be in
     # local find-links, so probing them would pass offline).
-    rc, out = _pip("index", "versions", plugin, "--retries", "1", "--timeout", "20", timeout=120)
+    rc, out = pip("index", "versions", plugin, "--retries", "1", "--timeout", "20", timeout=120)
     if rc != 0:
-        if (err := _network_error(out)) is not None:
+        if (err := network_error(out)) is not None:
             pytest.skip(f"package index unreachable (pip index versions {plugin}): {err}")
-        pytest.fail(f"pip index versions {plugin} failed (rc {rc}):\n{_tail(out)}")
+        pytest.fail(f"pip index versions {plugin} failed (rc {rc}):\n{tail(out)}")
 
     # --ignore-installed: resolve a fresh environment, so the report lists every distribution
     # (jax and jaxlib installed here would otherwise be left out of it). No --quiet: pip's
     # "The conflict is caused by" lines are info-level, and a failure shows them.
     args = ["install", "--dry-run", "--ignore-installed", "--report", str(report),
             "--use-feature=fast-deps", "-e", f"{ROOT}[{extra}]"]
-    rc, out = _pip(*args, timeout=600)
+    rc, out = pip(*args, timeout=600)
     if rc != 0 and "invalid choice: 'fast-deps'" in out:  # a pip without the feature
         args.remove("--use-feature=fast-deps")
-        rc, out = _pip(*args, timeout=600)
+        rc, out = pip(*args, timeout=600)
     if rc != 0:
-        err = _network_error(out)
+        err = network_error(out)
         if err is not None and "ResolutionImpossible" not in out and "conflict" not in out.lower():
             pytest.skip(f"package index became unreachable during the dry run: {err}")
-        pytest.fail(f"pip install --dry-run -e .[{extra}] failed (rc {rc}):\n{_tail(out)}")
+        pytest.fail(f"pip install --dry-run -e .[{extra}] failed (rc {rc}):\n{tail(out)}")
     return json.loads(report.read_text())
 
 

@@ -5,18 +5,25 @@ arrays, and XLA's memory analysis is split into the parts a user can act on.
 
 On a CPU machine `plan.devices=N` simulates N devices, so the plan of an 8-GPU run can be
 made on a laptop; the CPU compiler's figures are not a GPU's but of the same order (see
-docs/scaling.md). A preset without weights is planned from its architecture alone.
+docs/scaling.md). `plan.target=h100` (with JAX's CUDA plugin installed: the `gpu-plan`
+extra) compiles instead with XLA's GPU compiler for N compile-only H100s
+(`gpurl.distributed.targets`): the programs a GPU would run (cuDNN attention, Triton
+kernels, bf16), their real GPU memory analysis, and no GPU needed. A preset without
+weights is planned from its architecture alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from typing import Iterator
 
 import jax
 
 from gpurl.config import Config, ConfigError
-from gpurl.distributed import runtime
+from gpurl.distributed import runtime, targets
+from gpurl.kernels import platform
 from gpurl.models.loading import PACKAGED
 from gpurl.models.transformer import remat_policy
 from gpurl.train.loop import build
@@ -44,9 +51,10 @@ def planned_config(cfg: Config) -> Config:
     """The config `gpurl plan` compiles: simulated GPUs take their defaults (bf16, full
     remat, 80 GiB), and a preset without weights is planned from its architecture."""
     model = cfg.model
-    if cfg.plan.devices:  # simulated GPUs: their defaults, not the CPU's
+    if cfg.plan.devices or cfg.plan.target:  # (simulated) GPUs: their defaults, not the CPU's
         model = dataclasses.replace(model, dtype="bfloat16" if model.dtype == "auto" else model.dtype,
                                     remat="full" if model.remat == "auto" else model.remat)
+    if cfg.plan.devices and not cfg.plan.target:
         cfg = dataclasses.replace(cfg, plan=dataclasses.replace(
             cfg.plan, device_memory_gb=cfg.plan.device_memory_gb or SIMULATED_DEVICE_GB))
     if model.init != "random" and model.checkpoint is None and model.name not in PACKAGED:
@@ -54,17 +62,36 @@ def planned_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=model)
 
 
+@contextlib.contextmanager
+def compiled_for(cfg: Config) -> Iterator[None]:
+    """With plan.target: meshes of compile-only GPUs of that kind, traced with a GPU's
+    choices (`platform.target`) and compiled by XLA's GPU compiler; else nothing changes."""
+    if not cfg.plan.target:
+        yield
+        return
+    gpu = targets.gpu(cfg.plan.target)
+    if runtime.process_count() > 1:
+        raise ConfigError("plan.target compiles for GPUs this machine does not have, in one "
+                          "process; run `gpurl plan` without srun or distributed.* keys.")
+    with targets.compile_only(gpu, cfg.plan.devices or 1), platform.target("gpu", gpu.capability):
+        yield
+
+
 def plan_programs(cfg: Config) -> tuple[Config, Setup, list[ProgramPlan]]:
     """(the resolved config, what the run builds, the plan of each of its programs)."""
-    cfg, setup, stepper = build(planned_config(cfg))
-    if cfg.plan.prompt_len:
-        stepper.plan_prompt_len(cfg.plan.prompt_len)
-    return cfg, setup, memory_plan(cfg, setup, stepper)
+    with compiled_for(cfg):
+        cfg, setup, stepper = build(planned_config(cfg))
+        if cfg.plan.prompt_len:
+            stepper.plan_prompt_len(cfg.plan.prompt_len)
+        return cfg, setup, memory_plan(cfg, setup, stepper)
 
 
 def plan(cfg: Config) -> list[ProgramPlan]:
     """Prints one table per program of the run `cfg` describes; returns the plans."""
-    if cfg.plan.devices:
+    if cfg.plan.target:
+        targets.gpu(cfg.plan.target)  # a known GPU, before JAX starts
+        jax.config.update("jax_platforms", "cpu")  # the GPUs are compiled for, never run on
+    elif cfg.plan.devices:
         simulate_devices(cfg.plan.devices)
     runtime.initialize(cfg.distributed)
     t0 = time.perf_counter()
@@ -72,8 +99,10 @@ def plan(cfg: Config) -> list[ProgramPlan]:
     total_s = time.perf_counter() - t0
     if runtime.is_main_process():
         devices = setup.place.mesh.devices
+        kind = (f"{targets.gpu(cfg.plan.target).description} (compile-only, plan.target="
+                f"{cfg.plan.target})" if cfg.plan.target else devices.flat[0].platform)
         print(f"[gpurl] plan: {cfg.algo.name} on {cfg.model.name}, trainer mesh "
-              f"{dict(setup.place.mesh.shape)} of {devices.size} {devices.flat[0].platform} "
+              f"{dict(setup.place.mesh.shape)} of {devices.size} {kind} "
               f"device(s), model.dtype={cfg.model.dtype}, model.remat="
               f"{remat_policy(cfg.model)}; {total_s:.1f} s in all", flush=True)
         for p in plans:

@@ -1,14 +1,17 @@
 """Trainer mesh and the mapping from logical parameter axes to mesh axes.
 
-Only this package calls `jax.devices()` or builds a `Mesh`. Rules come from
+Only this package calls `jax.devices()` or builds a `Mesh` (`job_devices()`: JAX's, or the
+compile-only GPUs of `gpurl.distributed.targets` inside `using_devices`). Rules come from
 `mesh.train_rules`: a logical axis maps to one or more mesh axes; a dimension whose size
 does not divide by the mesh axes is replicated instead (tiny models on many devices).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -19,10 +22,29 @@ from gpurl.config import ConfigError, MeshConfig
 TRAIN_AXES = ("data", "fsdp", "expert", "tp")
 Rules = Mapping[str, Sequence[str]]
 
+_DEVICES: contextvars.ContextVar[list[jax.Device] | None] = contextvars.ContextVar(
+    "devices", default=None)
+
+
+def job_devices() -> list[jax.Device]:
+    """Every device of the job: JAX's, or those `using_devices` names."""
+    return _DEVICES.get() or list(jax.devices())
+
+
+@contextlib.contextmanager
+def using_devices(chosen: list[jax.Device]) -> Iterator[None]:
+    """Meshes built inside this block use `chosen` (compile-only devices of a GPU this
+    machine does not have: `gpurl plan plan.target=...`)."""
+    token = _DEVICES.set(chosen)
+    try:
+        yield
+    finally:
+        _DEVICES.reset(token)
+
 
 def trainer_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """(data, fsdp, expert, tp) mesh over all devices; one size may be -1 to take what is left."""
-    devices = list(jax.devices() if devices is None else devices)
+    devices = job_devices() if devices is None else list(devices)
     sizes = [cfg.data, cfg.fsdp, cfg.expert, cfg.tp]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
@@ -40,7 +62,7 @@ def trainer_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
 
 def rollout_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """(data, tp) mesh for generation: `mesh.rollout_tp` devices per model replica."""
-    devices = list(jax.devices() if devices is None else devices)
+    devices = job_devices() if devices is None else list(devices)
     if len(devices) % cfg.rollout_tp:
         raise ConfigError(
             f"mesh.rollout_tp={cfg.rollout_tp} does not divide the {len(devices)} rollout "
@@ -53,10 +75,10 @@ def placement_devices(cfg: MeshConfig) -> tuple[list[jax.Device], list[jax.Devic
     process gives its first `mesh.rollout_devices / processes` local devices to rollout and
     the rest to training, so every process samples its own rows and trains on its own
     rows (no process waits on another's host for data)."""
-    devices = list(jax.devices())
+    devices = job_devices()
     if cfg.placement == "colocated":
         return devices, devices
-    count = jax.process_count()
+    count = len({d.process_index for d in devices})
     total = len(devices)
     if not 0 < cfg.rollout_devices < total or cfg.rollout_devices % count:
         raise ConfigError(

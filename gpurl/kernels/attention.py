@@ -26,8 +26,9 @@ Implementations (`model.attention`):
   256. Segments reach it as a dense B x 1 x T x S mask (its API takes no segment ids).
   Calls outside those limits run `pallas` and log the reason once. Needs a CUDA GPU:
   requesting it elsewhere is a configuration error.
-- `auto`: `cudnn` (with the per-call fallback to `pallas`) on GPUs, `xla` elsewhere,
-  logged once.
+- `auto`: `cudnn` (with the per-call fallback to `pallas`) on GPUs of compute capability
+  8.0 or newer (Ampere, Ada, Hopper, Blackwell), `xla` elsewhere (CPUs, V100, T4, RTX
+  20xx), logged once.
 """
 
 from __future__ import annotations
@@ -70,8 +71,12 @@ def resolve(implementation: str, backend: str | None = None) -> str:
             f"model.attention=cudnn needs a CUDA GPU but JAX runs on {backend}; "
             "use model.attention=auto or xla.")
     if implementation == "auto":
-        if backend == "gpu":
+        if backend == "gpu" and platform.cudnn_attention_supported():
             return "cudnn"
+        if backend == "gpu":
+            _log_once("attention: auto -> xla on this GPU (cuDNN flash attention needs "
+                      "compute capability 8.0 or newer).")
+            return "xla"
         _log_once(f"attention: auto -> xla on {backend} (the cuDNN and Pallas kernels "
                   "target GPUs).")
         return "xla"

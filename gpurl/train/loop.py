@@ -201,6 +201,9 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
 
 
 def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
+    if cfg.plan.target:
+        raise ConfigError(f"plan.target={cfg.plan.target} compiles for a GPU without running "
+                          f"anything, so it is for `gpurl plan`; drop it from gpurl train.")
     cfg, setup, stepper = build(cfg)
     plans = memory_plan(cfg, setup, stepper) if cfg.plan.check else []
     check(cfg, plans)  # before anything is allocated; the run reuses the compiled programs

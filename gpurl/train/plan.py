@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ import numpy as np
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.config import Config, ConfigError, PlanConfig
-from gpurl.distributed import runtime
+from gpurl.distributed import runtime, targets
 from gpurl.distributed.mesh import batch_divisor
 from gpurl.models.transformer import remat_policy
 from gpurl.rollout.engine import Engine
@@ -54,6 +55,25 @@ def sharded(batch: dict[str, Any], sharding: Any) -> dict[str, jax.ShapeDtypeStr
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in batch.items()}
 
 
+# Custom calls of a GPU program that name the kernel a user chose (or `auto` chose)
+GPU_KERNELS = {"__cudnn$fmha": "cuDNN flash attention", "__gpu$xla.gpu.triton": "Pallas (Triton)",
+               "__cublas$gemm": "cuBLAS matmul"}
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def kernel_note(compiled: list[Any]) -> str:
+    """A note counting the calls of each kernel library GPU programs run (cuDNN attention,
+    Pallas kernels compiled by Triton): what `auto` picked."""
+    counts: dict[str, int] = {}
+    for c in compiled:
+        for call in _CUSTOM_CALL.findall(c.as_text()):
+            for prefix, kernel in GPU_KERNELS.items():
+                if call.startswith(prefix):
+                    counts[kernel] = counts.get(kernel, 0) + 1
+    listed = ", ".join(f"{k} x{n}" for k, n in counts.items()) or "XLA's own fusions only"
+    return f"GPU kernels: {listed}"
+
+
 @dataclass
 class ProgramPlan:
     """One compiled program's memory per device, in bytes, by part."""
@@ -67,6 +87,7 @@ class ProgramPlan:
     batch_shards: int = 1  # a micro-batch's rows are a multiple of it
     notes: list[str] = field(default_factory=list)
     analysis: dict[str, float] = field(default_factory=dict)  # XLA's: arguments, temp, outputs
+    gpu_programs: list[Any] = field(default_factory=list, repr=False)  # compiled for a GPU
 
     @property
     def total(self) -> float:
@@ -86,7 +107,8 @@ class ProgramPlan:
         lines += [f"  {name:<{width}}  {value / GIB:10.3f}" for name, value in rows]
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"  {'device memory':<{width}}  {self.limit / GIB:10.3f}  -> {verdict}")
-        lines += [f"  ({note})" for note in self.notes]
+        notes = self.notes + ([kernel_note(self.gpu_programs)] if self.gpu_programs else [])
+        lines += [f"  ({note})" for note in notes]
         return "\n".join(lines)
 
 
@@ -94,12 +116,22 @@ def device_memory(cfg: PlanConfig, device: jax.Device) -> tuple[float, str]:
     """(bytes of one device, where the figure comes from)."""
     if cfg.device_memory_gb:
         return cfg.device_memory_gb * GIB, "plan.device_memory_gb"
+    if cfg.target:  # compile-only devices have no memory to ask
+        gpu, fraction = targets.gpu(cfg.target), targets.memory_fraction()
+        return gpu.memory_bytes * fraction, (
+            f"{gpu.description}, {gpu.memory_bytes / GIB:.1f} GiB x {fraction:g} "
+            f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
         return float(stats["bytes_limit"]), f"{device.platform} bytes_limit"
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     count = max(jax.local_device_count(), 1)
     return host / count, f"host RAM / {count} local devices"
+
+
+def _on_gpu(compiled: list[Any], mesh: Any) -> list[Any]:
+    """The programs, when compiled for GPUs (their kernels are listed in the table)."""
+    return compiled if mesh.devices.flat[0].platform == "gpu" else []
 
 
 def _memory(compiled: Any) -> tuple[float, float, float]:
@@ -134,6 +166,7 @@ def plan_train_step(step: Program, place: Placement, batch: dict[str, Any], free
              "activations / scratch": temp - grads + outputs,
              "inputs": max(args - params - opt, 0.0), "resident": resident}
     return ProgramPlan("train step", parts, compile_s, limit,
+                       gpu_programs=_on_gpu([compiled], place.mesh),
                        analysis={"arguments": args, "temp": temp, "outputs": outputs})
 
 
@@ -154,7 +187,8 @@ def plan_rollout(engine: Engine, rows: int, width: int, group: int, resident: fl
              "activations / scratch": max(temp + outputs - kv, 0.0),
              "inputs": max(args - params - kv, 0.0), "resident": resident}
     notes = ["resident: the train state beside the sampling program (colocated)"] if resident else []
-    return ProgramPlan("rollout", parts, compile_s, limit, notes,
+    return ProgramPlan("rollout", parts, compile_s, limit, notes=notes,
+                       gpu_programs=_on_gpu(programs, engine.mesh),
                        analysis={"arguments": args, "temp": temp, "outputs": outputs})
 
 
