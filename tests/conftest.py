@@ -1,13 +1,28 @@
-"""Test setup: 4 forced host devices (so sharding is real) before JAX is imported, and
-small shared builders so tests reuse compiled functions instead of recompiling."""
+"""Test setup: 4 forced host devices (so sharding is real) before JAX is imported, one
+compilation cache for the session, and small shared builders so tests reuse compiled
+functions instead of recompiling."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# JAX's persistent compilation cache, empty at the start of each session (as on CI) and
+# shared by the test process and every process a test starts (they inherit the variable):
+# many tests compile the same tiny programs, in-process and in `gpurl` subprocesses (a
+# resumed run, 1 against 2 processes, every early exit), and XLA compiles each once.
+# Compiled programs are the same either way; JAX keys them by the program, its devices and
+# the compiler flags. JAX_COMPILATION_CACHE_DIR set outside keeps that folder.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="gpurl-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import dataclasses  # noqa: E402
 from pathlib import Path  # noqa: E402

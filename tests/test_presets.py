@@ -3,6 +3,8 @@ count (no memory spent), and each preset composes through the CLI."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import pytest
 
@@ -47,14 +49,19 @@ PUBLISHED = {
 ACTIVE = {"qwen3_30b_a3b": 3_300_000_000, "qwen3_235b_a22b": 22_000_000_000}
 
 
+@functools.lru_cache(maxsize=None)
+def _spec(name: str):
+    """A preset's model spec, traced once for the tests that count its parameters."""
+    return model_spec(validate([f"model={name}"]).model)
+
+
 # Tracing the init of a stack is quadratic in its layers (flax's RNG counter under
 # eval_shape), so the presets over 10B parameters count in the slow tier.
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if PUBLISHED[n] > 1e10
                                   else n for n in sorted(PUBLISHED)])
 def test_preset_parameter_count(name):
-    cfg = validate([f"model={name}"]).model
-    assert cfg.name == name
-    spec = model_spec(cfg)  # eval_shape inside: nothing is allocated
+    spec = _spec(name)  # eval_shape inside: nothing is allocated
+    assert spec.cfg.name == name
     count = count_params(spec.abstract_params)
     assert abs(count - PUBLISHED[name]) / PUBLISHED[name] < 0.01, (name, count)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(spec.abstract_params))
@@ -65,8 +72,7 @@ def test_preset_parameter_count(name):
 def test_moe_preset_active_parameters(name):
     """The parameters a token runs through (embedding and head included) within the
     published figures' precision: 3,353M for "3.3B" (and 22,1xxM for "22B")."""
-    spec = model_spec(validate([f"model={name}"]).model)
-    active = count_active_params(spec)
+    active = count_active_params(_spec(name))
     assert abs(active - ACTIVE[name]) / ACTIVE[name] < 0.02, (name, active)
 
 
