@@ -31,7 +31,8 @@ from typing import Any, Sequence
 import jax
 
 from gpurl.cli.compose import validate
-from gpurl.commands.plan import plan_programs, simulate_devices
+from gpurl.commands.plan import plan_programs, start_backend
+from gpurl.config import PlanConfig
 from gpurl.train.plan import GIB
 
 # Every preset from 1B to 70B parameters, smallest first.
@@ -166,10 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.what == "markdown":
         return markdown(args.files)
-    if args.target:
-        jax.config.update("jax_platforms", "cpu")  # compiled for, never run on
-    elif args.devices:
-        simulate_devices(args.devices)
+    start_backend(PlanConfig(devices=args.devices, target=args.target))
     extra = [f"plan.devices={args.devices}"] if args.devices else []
     extra += [f"plan.target={args.target}"] if args.target else []
     extra += [f"plan.device_memory_gb={args.memory_gb}"] if args.memory_gb else []

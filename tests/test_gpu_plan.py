@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 
+import gpu_compiler
 from conftest import TINY_MODEL, make_config
 from gpurl.config import ConfigError
 from gpurl.commands.plan import compiled_for
@@ -30,14 +31,12 @@ def _table(stdout: str, program: str) -> str:
 
 @pytest.fixture(scope="module")
 def compiler():
-    import gpu_compiler
     return gpu_compiler.install()
 
 
 @pytest.mark.cuda_lowering
 @pytest.mark.index
 def test_grpo_compiles_for_four_h200s_with_cudnn_attention(compiler):
-    import gpu_compiler
     out = gpu_compiler.gpurl(compiler, "plan", "algo=grpo", *TINY, "model.attention=auto",
                              "plan.target=h200", "plan.devices=4", "mesh.data=2", "mesh.tp=2")
     assert out.returncode == 0, out.stderr
@@ -61,7 +60,6 @@ def test_grpo_compiles_for_four_h200s_with_cudnn_attention(compiler):
 @pytest.mark.cuda_lowering
 @pytest.mark.index
 def test_pallas_compiles_for_an_a100_and_auto_picks_xla_on_a_v100(compiler):
-    import gpu_compiler
     a100 = gpu_compiler.gpurl(compiler, "plan", "algo=sft", *TINY, "model.attention=pallas",
                               "model.lora.rank=4", "plan.target=a100")
     assert a100.returncode == 0, a100.stderr

@@ -144,3 +144,5 @@ def test_remat_fits_a_long_sequence_that_the_check_rejects_without_it(tmp_path):
     loop.train(config("full", limit_gb))
     summary = json.loads((tmp_path / "full" / "summary.json").read_text())
     assert summary["finished"] and summary["step"] == 1
+    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    assert summary["peak_host_memory_gb"] < 0.8 * host_gib, summary

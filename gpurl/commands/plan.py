@@ -21,7 +21,7 @@ from typing import Iterator
 
 import jax
 
-from gpurl.config import Config, ConfigError
+from gpurl.config import Config, ConfigError, PlanConfig
 from gpurl.distributed import runtime, targets
 from gpurl.kernels import platform
 from gpurl.models.loading import PACKAGED
@@ -45,6 +45,16 @@ def simulate_devices(devices: int) -> None:
             raise ConfigError(
                 f"plan.devices={devices} needs a fresh process, but JAX already started with "
                 f"{jax.device_count()} devices; run `gpurl plan` on its own.") from None
+
+
+def start_backend(cfg: PlanConfig) -> None:
+    """Before JAX starts: plan.target compiles for GPUs and runs on none (the CPU backend,
+    so a CUDA plugin is never initialized); plan.devices simulates that many CPU devices."""
+    if cfg.target:
+        targets.gpu(cfg.target)  # a known GPU
+        jax.config.update("jax_platforms", "cpu")
+    elif cfg.devices:
+        simulate_devices(cfg.devices)
 
 
 def planned_config(cfg: Config) -> Config:
@@ -88,11 +98,7 @@ def plan_programs(cfg: Config) -> tuple[Config, Setup, list[ProgramPlan]]:
 
 def plan(cfg: Config) -> list[ProgramPlan]:
     """Prints one table per program of the run `cfg` describes; returns the plans."""
-    if cfg.plan.target:
-        targets.gpu(cfg.plan.target)  # a known GPU, before JAX starts
-        jax.config.update("jax_platforms", "cpu")  # the GPUs are compiled for, never run on
-    elif cfg.plan.devices:
-        simulate_devices(cfg.plan.devices)
+    start_backend(cfg.plan)
     runtime.initialize(cfg.distributed)
     t0 = time.perf_counter()
     cfg, setup, plans = plan_programs(cfg)

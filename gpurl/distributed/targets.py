@@ -1,7 +1,7 @@
 """GPUs a run can be compiled for on a machine without them: XLA's deviceless compilation.
 
 `compile_only(gpu, count)` makes `count` compile-only devices of a known GPU (`GPUS`) the
-devices every mesh is built from (`gpurl.distributed.mesh.devices`), so `gpurl plan
+devices every mesh is built from (`gpurl.distributed.mesh.using_devices`), so `gpurl plan
 plan.target=h100` compiles each program of a run with XLA's GPU compiler, for that GPU,
 on a CPU machine, and reads its memory analysis. Nothing runs: compile-only devices hold
 no memory. It needs JAX's CUDA plugin (the `gpu-plan` extra, or `cuda12` / `cuda13` on a
@@ -123,7 +123,7 @@ def topology(count: int) -> str:
 
 
 @contextlib.contextmanager
-def compile_only(target: Gpu, count: int) -> Iterator[list[jax.Device]]:
+def compile_only(target: Gpu, count: int) -> Iterator[None]:
     """Meshes built inside this block are made of `count` compile-only `target` GPUs."""
     if not compiler_installed():
         raise ConfigError(
@@ -134,4 +134,4 @@ def compile_only(target: Gpu, count: int) -> Iterator[list[jax.Device]]:
     desc = topologies.get_topology_desc(platform="cuda", target_config=target.target_config(),
                                         topology=topology(count))
     with mesh.using_devices(list(desc.devices)):
-        yield list(desc.devices)
+        yield
