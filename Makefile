@@ -41,14 +41,18 @@ train: install
 train-env: install
 	$(BIN)/gpurl train env=calculator $(ARGS)
 
-# The full test suite (CPU; several forced host devices per test process).
+# The full test suite (CPU; several forced host devices per test process). Its programs
+# compile and run on one core at a time, so 2 pytest workers (pytest-xdist) use a 2-core
+# machine; tests/conftest.py says which tests share a worker. WORKERS=0 runs in one process.
+WORKERS ?= 2
+XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
 test: install slurm
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(ARGS)
 
 # The unit tier: every test without a tier marker (pyproject.toml lists them), under 3 min.
 FAST_TIER := not (multiprocess or slurm or realmodel or e2e or slow or gpu or index or cuda_lowering)
 test-fast: install
-	$(BIN)/python -m pytest -m "$(FAST_TIER)" $(ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "$(FAST_TIER)" $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs outputs multirun

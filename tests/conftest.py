@@ -9,8 +9,9 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=4").strip()
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # JAX's persistent compilation cache, empty at the start of each session (as on CI) and
 # shared by the test process and every process a test starts (they inherit the variable):
@@ -23,6 +24,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# A size limit turns on the cache's file lock, so that no process reads an entry another is
+# still writing (`make test` runs 2 pytest workers, and tests start `gpurl` processes).
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 << 30))
 
 import dataclasses  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -70,10 +74,51 @@ TINY_MODEL = {"vocab_size": 259, "d_model": 32, "num_layers": 2, "num_heads": 4,
 REAL_MODEL_FIXTURES = ("gemma3_gguf", "gemma3_hf_model", "gemma3_hf_tokenizer")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# `make test` runs 2 pytest-xdist workers. Each test file runs on one worker (its module
+# fixtures are built once); the files of a group below run on one worker, one after
+# another, and the groups are handed out first (they are the longest):
+# - processes: tests that start a Slurm cluster or several `jax.distributed` processes;
+#   two such runs at once would compete for the 2 cores, and their collectives give up
+#   on a peer that is late by 30 s;
+# - realmodel: tests of the real model, which share the session's transformers model
+#   (40 s to build, one copy in memory).
+WORKER_GROUPS = {
+    "processes": ("test_multiprocess.py", "test_lora.py", "test_slurm.py", "test_sweep_slurm.py"),
+    "realmodel": ("test_gguf.py", "test_sampler.py", "test_gpu.py"),
+}
+GROUP_MARKERS = {"processes": ("multiprocess", "slurm"), "realmodel": ("realmodel",)}
+_GROUP_OF_FILE = {f: group for group, files in WORKER_GROUPS.items() for f in files}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if any(name in getattr(item, "fixturenames", ()) for name in REAL_MODEL_FIXTURES):
             item.add_marker(pytest.mark.realmodel)
+    for item in items:
+        for group, markers in GROUP_MARKERS.items():
+            if (any(item.get_closest_marker(m) for m in markers)
+                    and _GROUP_OF_FILE.get(item.path.name) != group):
+                raise pytest.UsageError(
+                    f"{item.nodeid} is a {'/'.join(markers)} test; add {item.path.name} to "
+                    f"WORKER_GROUPS[{group!r}] in tests/conftest.py.")
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the groups' files first
+        order = [*WORKER_GROUPS, None]
+        items.sort(key=lambda item: order.index(_GROUP_OF_FILE.get(item.path.name)))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Work units of one file or one group's files, in the order the workers collected
+    them (the groups first)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return _GROUP_OF_FILE.get(Path(file).name, file)
+
+    config.option.loadscopereorder = False
+    return ByGroup(config, log)
 
 
 @pytest.fixture

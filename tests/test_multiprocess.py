@@ -34,7 +34,7 @@ def _launch(run_dir: Path, processes: int, args: list[str] = ARGS,
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),  # reward functions
                                            os.environ.get("PYTHONPATH", "")]),
-               **(env_extra or {}))
+               **(env_extra or {}), **_one_run_compiles(run_dir, processes))
     extra = []
     port = _free_port()
     procs = []
@@ -46,6 +46,19 @@ def _launch(run_dir: Path, processes: int, args: list[str] = ARGS,
             [sys.executable, "-m", "gpurl.cli", "train", *args, f"run.dir={run_dir}", *extra],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
+
+
+def _one_run_compiles(run_dir: Path, processes: int) -> dict[str, str]:
+    """The compilation cache of a multi-process run: its own (a fresh folder), and process 0
+    compiles each program and hands it to the others (JAX's binary sharing; programs with
+    host callbacks excepted). The processes of one run so reach each program's first
+    collective together: with the session's shared cache, process 0 could load a program
+    another run had just written while process 1 still compiled it, and gloo gives up on a
+    peer after 30 s (tests run several runs at once on 2 cores)."""
+    if processes == 1:
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": str(run_dir.parent / f"{run_dir.name}-jax-cache"),
+            "JAX_SHARE_BINARY_BETWEEN_HOSTS": "true"}
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -238,7 +251,8 @@ def test_killed_process_stops_the_others_within_60s(tmp_path):
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
-                                           os.environ.get("PYTHONPATH", "")]))
+                                           os.environ.get("PYTHONPATH", "")]),
+               **_one_run_compiles(tmp_path / "run", 2))
     args = [a for a in GRPO_ARGS if not a.startswith("train.steps=")] + ["train.steps=500"]
     procs = [subprocess.Popen(
         [sys.executable, "-m", "gpurl.cli", "train", *args, f"run.dir={tmp_path / 'run'}",
@@ -269,7 +283,8 @@ def test_sigterm_to_one_process_saves_one_checkpoint_and_all_exit_0(tmp_path):
     import time
 
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               **_one_run_compiles(tmp_path / "run", 2))
     args = [a for a in ARGS if not a.startswith(("train.steps=", "train.checkpoint_every=",
                                                  "train.eval_every="))]
     args += ["train.steps=500", "train.checkpoint_every=0", "train.eval_every=0"]
