@@ -49,16 +49,15 @@ def _launch(run_dir: Path, processes: int, args: list[str] = ARGS,
 
 
 def _one_run_compiles(run_dir: Path, processes: int) -> dict[str, str]:
-    """The compilation cache of a multi-process run: its own (a fresh folder), and process 0
-    compiles each program and hands it to the others (JAX's binary sharing; programs with
-    host callbacks excepted). The processes of one run so reach each program's first
-    collective together: with the session's shared cache, process 0 could load a program
-    another run had just written while process 1 still compiled it, and gloo gives up on a
-    peer after 30 s (tests run several runs at once on 2 cores)."""
+    """A multi-process run's own compilation cache (a fresh folder, written by its process
+    0 alone): with the session's shared one, process 0 could load a program that another
+    run had just written while process 1 still compiled it, and gloo gives up on a peer
+    that reaches a collective 30 s late (tests run several runs at once on 2 cores).
+    (JAX's binary sharing, process 0 compiling for all, deadlocks gpurl's first
+    process_allgather here.)"""
     if processes == 1:
         return {}
-    return {"JAX_COMPILATION_CACHE_DIR": str(run_dir.parent / f"{run_dir.name}-jax-cache"),
-            "JAX_SHARE_BINARY_BETWEEN_HOSTS": "true"}
+    return {"JAX_COMPILATION_CACHE_DIR": str(run_dir.parent / f"{run_dir.name}-jax-cache")}
 
 
 def _metrics(run_dir: Path) -> list[dict]:
