@@ -45,7 +45,7 @@ train-env: install
 # compile and run on one core at a time, so 2 pytest workers (pytest-xdist) use a 2-core
 # machine; tests/conftest.py says which tests share a worker. WORKERS=0 runs in one process.
 WORKERS ?= 2
-XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
+XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS))
 test: install slurm
 	$(BIN)/python -m pytest $(XDIST) $(ARGS)
 

@@ -49,15 +49,13 @@ def _launch(run_dir: Path, processes: int, args: list[str] = ARGS,
 
 
 def _one_run_compiles(run_dir: Path, processes: int) -> dict[str, str]:
-    """A multi-process run's own compilation cache (a fresh folder, written by its process
-    0 alone): with the session's shared one, process 0 could load a program that another
-    run had just written while process 1 still compiled it, and gloo gives up on a peer
-    that reaches a collective 30 s late (tests run several runs at once on 2 cores).
-    (JAX's binary sharing, process 0 compiling for all, deadlocks gpurl's first
-    process_allgather here.)"""
-    if processes == 1:
-        return {}
-    return {"JAX_COMPILATION_CACHE_DIR": str(run_dir.parent / f"{run_dir.name}-jax-cache")}
+    """Multi-process runs compile every program themselves, without the session's
+    compilation cache: with it, process 0 could load a program that another run had just
+    written while process 1 still compiled it, and gloo gives up on a peer that reaches a
+    collective 30 s late (tests run several runs at once on 2 cores); with a cache of the
+    run's own, a LoRA split run once mismatched a collective. (JAX's binary sharing,
+    process 0 compiling for all, deadlocks gpurl's first process_allgather.)"""
+    return {"JAX_ENABLE_COMPILATION_CACHE": "false"} if processes > 1 else {}
 
 
 def _metrics(run_dir: Path) -> list[dict]:
