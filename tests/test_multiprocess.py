@@ -34,7 +34,7 @@ def _launch(run_dir: Path, processes: int, args: list[str] = ARGS,
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),  # reward functions
                                            os.environ.get("PYTHONPATH", "")]),
-               **(env_extra or {}), **_one_run_compiles(run_dir, processes))
+               **(env_extra or {}), **_compile_env(processes))
     extra = []
     port = _free_port()
     procs = []
@@ -48,13 +48,11 @@ def _launch(run_dir: Path, processes: int, args: list[str] = ARGS,
     return procs
 
 
-def _one_run_compiles(run_dir: Path, processes: int) -> dict[str, str]:
+def _compile_env(processes: int) -> dict[str, str]:
     """Multi-process runs compile every program themselves, without the session's
     compilation cache: with it, process 0 could load a program that another run had just
     written while process 1 still compiled it, and gloo gives up on a peer that reaches a
-    collective 30 s late (tests run several runs at once on 2 cores); with a cache of the
-    run's own, a LoRA split run once mismatched a collective. (JAX's binary sharing,
-    process 0 compiling for all, deadlocks gpurl's first process_allgather.)"""
+    collective 30 s late (tests run several runs at once on 2 cores)."""
     return {"JAX_ENABLE_COMPILATION_CACHE": "false"} if processes > 1 else {}
 
 
@@ -249,7 +247,7 @@ def test_killed_process_stops_the_others_within_60s(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
                                            os.environ.get("PYTHONPATH", "")]),
-               **_one_run_compiles(tmp_path / "run", 2))
+               **_compile_env(2))
     args = [a for a in GRPO_ARGS if not a.startswith("train.steps=")] + ["train.steps=500"]
     procs = [subprocess.Popen(
         [sys.executable, "-m", "gpurl.cli", "train", *args, f"run.dir={tmp_path / 'run'}",
@@ -281,7 +279,7 @@ def test_sigterm_to_one_process_saves_one_checkpoint_and_all_exit_0(tmp_path):
 
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               **_one_run_compiles(tmp_path / "run", 2))
+               **_compile_env(2))
     args = [a for a in ARGS if not a.startswith(("train.steps=", "train.checkpoint_every=",
                                                  "train.eval_every="))]
     args += ["train.steps=500", "train.checkpoint_every=0", "train.eval_every=0"]
