@@ -140,7 +140,10 @@ class PolicyGradientConfig(AlgoConfig):
     loss_agg: str = "seq_mean_token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm
     importance: str = "token"  # token ratios (GRPO/PPO), sequence (GSPO) or sequence_token (GSPO-token)
     num_iterations: int = 1  # optimizer passes over each batch; > 1 uses the old log-probs
-    tis_cap: Optional[float] = None  # truncated importance sampling vs the sampler's log-probs; null = off
+    # truncated importance sampling: cap C of min(pi_old / pi_sampler, C) per token; null = off (2 on rollout.async runs)
+    tis_cap: Optional[float] = None
+    # rollout.async: weight tokens sampled a step ahead by min(pi_old / pi_sampler, C), C = tis_cap or 2; false = no weight
+    async_correction: bool = True
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill the batch
     max_refills: int = 4  # dynamic sampling: extra rollout rounds per step at most
     overlong_buffer: int = 0  # DAPO overlong shaping: penalty ramps over the last N tokens; 0 = off
@@ -155,6 +158,8 @@ class PolicyGradientConfig(AlgoConfig):
         _enum(self, "importance", "algo.importance", ImportanceRatio)
         _positive("algo.beta", self.beta, allow_zero=True)
         _positive("algo.epsilon", self.epsilon)
+        if self.tis_cap is not None:
+            _positive("algo.tis_cap", self.tis_cap)
         for key in ("num_iterations", "num_generations"):
             _positive(f"algo.{key}", getattr(self, key))
         if self.dual_clip is not None and self.dual_clip <= 1.0:

@@ -123,7 +123,7 @@ def _np_policy_loss(logp, old, ref, adv, mask, cfg, sampler=None):
     dict(name="grpo", tis_cap=1.5),
 ])
 def test_policy_loss_matches_numpy(overrides):
-    from gpurl.algorithms.policy_gradient import policy_loss
+    from gpurl.algorithms.policy_gradient import off_policy_terms, policy_loss
 
     cfg = algo_config(**overrides)
     old = (LOGP + RNG.normal(0, 0.3, (B, T))).astype(np.float32)
@@ -132,6 +132,8 @@ def test_policy_loss_matches_numpy(overrides):
     batch = {"comp_mask": jnp.asarray(MASK), "advantages": jnp.asarray(adv),
              "old_logprobs": jnp.asarray(old), "ref_logprobs": jnp.asarray(REF),
              "sampler_logprobs": jnp.asarray(sampler)}
+    # the truncated importance weights come from the prepare step, as in a run
+    batch.update(off_policy_terms(cfg, False, batch["old_logprobs"], batch)[0])
     norm = {"tokens": jnp.float32(MASK.sum()), "seqs": jnp.float32(B)}
     loss, metrics = policy_loss(cfg, jnp.asarray(LOGP), batch, norm, max_tokens=T)
     np.testing.assert_allclose(loss, _np_policy_loss(LOGP, old, REF, adv, MASK, cfg, sampler),

@@ -12,8 +12,9 @@ Batch keys, grouped by prompt (P prompts, G completions each, N completion slots
 prompt tokens) so that micro-batches split whole groups: prompt_tokens (P x W),
 prompt_lengths (P), completions (P x G x N), completion_lengths (P x G), comp_mask
 (P x G x N: 1 on completion tokens that carry loss), advantages (P x G), and when needed
-old_logprobs (num_iterations > 1), ref_logprobs (beta > 0) and sampler_logprobs
-(tis_cap), each P x G x N. `prepare` adds advantages and the log-probs to the rollout batch.
+old_logprobs (`needs_old_logprobs`), ref_logprobs (beta > 0), sampler_logprobs and
+is_weights (the truncated importance weights, `behaviour_weights`), each P x G x N.
+`prepare` adds advantages and the log-probs to the rollout batch.
 """
 
 from __future__ import annotations
@@ -23,21 +24,25 @@ from typing import Any
 from gpurl.algorithms.forward import group_logprobs
 from gpurl.algorithms.objective import Batch, Objective
 from gpurl.algorithms.policy_gradient import (flat_rows, group_advantages, kl_estimate,
-                                              policy_loss, token_normalizer)
+                                              needs_old_logprobs, off_policy_terms, policy_loss,
+                                              token_normalizer)
 from gpurl.algorithms.rl import RLContext, RLInputs
 from gpurl.algorithms.rm import reward_model_scores
 from gpurl.config import GRPOConfig, RolloutConfig
 
 
 def objective(cfg: GRPOConfig, rollout: RolloutConfig) -> Objective:
-    """The objective the shared train step differentiates."""
-    temperature, max_tokens = rollout.temperature, rollout.max_new_tokens
+    """The objective the shared train step differentiates. Dr. GRPO's constant normalizer
+    is the batch's completion width N: rollout.max_new_tokens, or env.max_tokens for
+    multi-turn trajectories."""
+    temperature = rollout.temperature
 
     def loss(spec: Any, params: Any, batch: Batch, norm: dict):
         logp_PxGxN, entropy_PxGxN = group_logprobs(spec, params, batch, temperature)
         rows = flat_rows(batch)
-        loss, metrics = policy_loss(cfg, logp_PxGxN.reshape(rows["comp_mask"].shape), rows,
-                                    norm, max_tokens)
+        mask_BxN = rows["comp_mask"]
+        loss, metrics = policy_loss(cfg, logp_PxGxN.reshape(mask_BxN.shape), rows, norm,
+                                    mask_BxN.shape[-1])
         metrics["entropy"] = (entropy_PxGxN * batch["comp_mask"]).sum() / norm["tokens"]
         return loss, metrics
 
@@ -45,24 +50,26 @@ def objective(cfg: GRPOConfig, rollout: RolloutConfig) -> Objective:
 
 
 def prepare(cfg: GRPOConfig, ctx: RLContext, x: RLInputs) -> tuple[Batch, dict, dict]:
-    """Reference and old log-probs, a reward model's score and the KL penalty in the
-    reward when configured, then group advantages."""
+    """Reference and old log-probs, the behaviour correction, a reward model's score and
+    the KL penalty in the reward when configured, then group advantages."""
     policy, params, batch = ctx.spec.policy, ctx.spec.policy_params(x.params), x.batch
     temp, group = ctx.temperature, batch["completions"].shape[1]
     out, metrics, rewards_B = dict(batch), {}, x.rewards
     if x.ref_params is not None:
         out["ref_logprobs"] = group_logprobs(policy, x.ref_params, batch, temp, replay=False)[0]
-    if cfg.num_iterations > 1 or cfg.tis_cap is not None:
+    if needs_old_logprobs(cfg, ctx.off_policy):
         out["old_logprobs"] = group_logprobs(policy, params, batch, temp)[0]
+        weights, metrics = off_policy_terms(cfg, ctx.off_policy, out["old_logprobs"], batch)
+        out.update(weights)
     if ctx.reward_model is not None:
         scores_B = reward_model_scores(ctx.reward_model, x.reward_model, batch)
         rewards_B = rewards_B + scores_B
         metrics["reward/model"] = scores_B.mean()
-    if x.ref_params is not None and cfg.kl_in_reward:
-        old = out.get("old_logprobs", batch["sampler_logprobs"])
-        kl_B = (kl_estimate(old, out["ref_logprobs"], cfg.kl_estimator)
+    if x.ref_params is not None and cfg.kl_in_reward:  # from the trainer's own log-probs
+        kl_B = (kl_estimate(out["old_logprobs"], out["ref_logprobs"], cfg.kl_estimator)
                 * batch["comp_mask"]).sum(-1).reshape(-1)
         rewards_B = rewards_B - cfg.beta * kl_B
+        metrics["kl/rollout"] = kl_B.mean()
     out["advantages"] = group_advantages(rewards_B, group, cfg.advantage,
                                          cfg.adv_eps).reshape(-1, group)
     return out, metrics, x.carry

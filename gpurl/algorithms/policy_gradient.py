@@ -115,6 +115,71 @@ def group_advantages(rewards_B: jax.Array, group: int, kind: str, eps: float = 1
     return ADVANTAGES[kind](r_PxG, eps).reshape(-1)
 
 
+# ---------------------------------------------------------------- pi_old and the sampler
+
+# The cap C of the truncated importance weight on `rollout.async` runs when algo.tis_cap is
+# null: C = 2, the value of Yao et al. 2025 and the default threshold of verl's rollout
+# correction (`rollout_is_threshold`).
+ASYNC_TIS_CAP = 2.0
+
+
+def behaviour_cap(cfg: PolicyGradientConfig, off_policy: bool) -> float | None:
+    """The cap C of the truncated importance weight min(pi_old / pi_sampler, C), or None
+    when the loss takes no weight: algo.tis_cap when set; on a run that trains rounds
+    sampled a step ahead (`off_policy`, rollout.async), `ASYNC_TIS_CAP` unless
+    algo.async_correction=false."""
+    if cfg.tis_cap is not None:
+        return cfg.tis_cap
+    return ASYNC_TIS_CAP if off_policy and cfg.async_correction else None
+
+
+def needs_old_logprobs(cfg: PolicyGradientConfig, off_policy: bool) -> bool:
+    """Whether the prepare step computes pi_old, the trainer's own log-probs of the batch
+    before the update: for several passes over a batch, for a batch sampled by another
+    policy (`off_policy`) or weighted against the sampler, and for a KL in the reward (a
+    KL against the sampler's log-probs would measure the sampler/trainer mismatch too)."""
+    return (cfg.num_iterations > 1 or off_policy or behaviour_cap(cfg, off_policy) is not None
+            or (cfg.beta > 0 and cfg.kl_in_reward))
+
+
+def behaviour_weights(old_BxT: jax.Array, sampler_BxT: jax.Array, mask_BxT: jax.Array,
+                      cap: float) -> tuple[jax.Array, dict]:
+    """Truncated importance weights w = min(pi_old / pi_behaviour, C) per token, B x T, and
+    their metrics over the masked tokens.
+
+    pi_behaviour is the policy that sampled each token (the sampler's log-probs) and pi_old
+    the trainer's policy at the start of the step (the proximal policy): the clipped ratio
+    is taken against pi_old and w corrects for the tokens having been drawn from
+    pi_behaviour. This is decoupled PPO (Hilton et al. 2022, "Batch Size-Invariance for
+    Policy Optimization": the objective weighted by pi_prox / pi_behaviour, the ratio
+    taken against pi_prox; AReaL, Fu et al. 2025, truncates the weight) and truncated
+    importance sampling for the sampler/trainer mismatch (Yao et al. 2025; verl's
+    token-level rollout correction). Logged: the fraction of tokens whose weight
+    was truncated, the mean weight, and the effective sample size (sum w)^2 / (n sum w^2)
+    of the n tokens (1 when every weight is equal)."""
+    raw_BxT = jnp.exp(old_BxT - sampler_BxT)
+    weights_BxT = jnp.minimum(raw_BxT, cap) * mask_BxT
+    n = jnp.maximum(mask_BxT.sum(), 1.0)
+    total = weights_BxT.sum()
+    return weights_BxT, {
+        "off_policy/weight_clip_fraction": ((raw_BxT > cap) * mask_BxT).sum() / n,
+        "off_policy/weight_mean": total / n,
+        "off_policy/ess": total**2 / (n * jnp.maximum((weights_BxT**2).sum(), 1e-30))}
+
+
+def off_policy_terms(cfg: PolicyGradientConfig, off_policy: bool, old_BxT: jax.Array,
+                     batch: Batch) -> tuple[Batch, dict]:
+    """The batch keys and metrics of the behaviour correction (`behaviour_weights`) that
+    the prepare step adds, shaped like the batch's log-probs; nothing without a cap."""
+    cap = behaviour_cap(cfg, off_policy)
+    if cap is None:
+        return {}, {}
+    shape = batch["sampler_logprobs"].shape
+    weights, metrics = behaviour_weights(old_BxT.reshape(shape), batch["sampler_logprobs"],
+                                         batch["comp_mask"], cap)
+    return {"is_weights": weights}, metrics
+
+
 # ---------------------------------------------------------------- the clipped surrogate
 
 def clipped_objective(ratio: jax.Array, adv: jax.Array, eps_low: float, eps_high: float,
@@ -161,19 +226,19 @@ def _sequence_token_ratio(logp_BxT, old_BxT, mask_BxT):
 def policy_loss(cfg: PolicyGradientConfig, logp_BxT: jax.Array, batch: Batch, norm: dict,
                 max_tokens: int) -> tuple[jax.Array, dict]:
     """This micro-batch's share of the loss from policy log-probs (B x T): the clipped
-    surrogate with the configured ratio, truncated importance sampling against the
-    sampler (Yao et al. 2025) and the KL term in the loss, aggregated as configured.
+    surrogate with the configured ratio, weighted by the prepare step's truncated
+    importance weights against the sampler when it computed them (`behaviour_weights`),
+    and the KL term in the loss, aggregated as configured.
     Batch keys (B rows): comp_mask, advantages (B, or B x T for PPO's per-token GAE) and,
-    when configured, old_logprobs, ref_logprobs, sampler_logprobs."""
+    when configured, old_logprobs, ref_logprobs, sampler_logprobs, is_weights."""
     mask_BxT = batch["comp_mask"]
     old_BxT = batch.get("old_logprobs", jax.lax.stop_gradient(logp_BxT))
     adv = batch["advantages"]
     adv_BxT = adv[:, None] if adv.ndim == 1 else adv
     ratio_BxT = RATIOS[cfg.importance](logp_BxT, old_BxT, mask_BxT)
     per_token = clipped_objective(ratio_BxT, adv_BxT, cfg.epsilon, cfg.clip_high, cfg.dual_clip)
-    if cfg.tis_cap is not None:
-        weight = jnp.minimum(jnp.exp(old_BxT - batch["sampler_logprobs"]), cfg.tis_cap)
-        per_token = per_token * jax.lax.stop_gradient(weight)
+    if "is_weights" in batch:  # truncated importance weights (`behaviour_weights`)
+        per_token = per_token * jax.lax.stop_gradient(batch["is_weights"])
     metrics = {}
     if cfg.beta > 0 and not cfg.kl_in_reward:
         kl_BxT = kl_estimate(logp_BxT, batch["ref_logprobs"], cfg.kl_estimator)
@@ -190,7 +255,7 @@ def policy_loss(cfg: PolicyGradientConfig, logp_BxT: jax.Array, batch: Batch, no
 
 
 ROW_KEYS = ("comp_mask", "advantages", "old_logprobs", "ref_logprobs", "sampler_logprobs",
-            "values", "returns")
+            "is_weights", "values", "returns")
 
 
 def flat_rows(batch: Batch) -> Batch:

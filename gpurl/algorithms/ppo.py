@@ -19,8 +19,10 @@ Per completion token t (B sequences, N token slots, mask m):
   -0.2, 0.2), beta <- beta (1 + e rows / horizon), KL the mean summed KL per sequence; the
   coefficient is the prepare step's carry, updated on device (checkpointed as kl_coef).
 
-Batch keys beyond GRPO's (P x G x N unless noted): old_logprobs, ref_logprobs (beta > 0),
-values, returns, and advantages (per token).
+Batch keys beyond GRPO's (P x G x N unless noted): old_logprobs (always computed: the KL
+reward and GAE read the trainer's own log-probs), ref_logprobs (beta > 0), values,
+returns, advantages (per token), and is_weights with a behaviour correction (algo.tis_cap,
+rollout.async).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ import jax.numpy as jnp
 
 from gpurl.algorithms.forward import group_logprobs, group_states, states_logprobs
 from gpurl.algorithms.objective import Batch, Objective
-from gpurl.algorithms.policy_gradient import (flat_rows, kl_estimate, policy_loss,
-                                              token_normalizer)
+from gpurl.algorithms.policy_gradient import (flat_rows, kl_estimate, off_policy_terms,
+                                              policy_loss, token_normalizer)
 from gpurl.algorithms.rl import RLContext, RLInputs
 from gpurl.algorithms.rm import reward_model_scores
 from gpurl.config import KLControlConfig, ModelConfig, PPOConfig, RolloutConfig
@@ -118,7 +120,9 @@ def prepare(cfg: PPOConfig, ctx: RLContext, x: RLInputs) -> tuple[Batch, dict, d
     old_BxN = states_logprobs(spec.policy, policy, states, batch, ctx.temperature)[0].reshape(-1, n)
     values_BxN = critic_values(spec, x.params, batch, states)
     mask_BxN = batch["comp_mask"].reshape(-1, n)
-    out, stats, scores_B = dict(batch), {}, x.rewards
+    out, scores_B = dict(batch), x.rewards
+    weights, stats = off_policy_terms(cfg, ctx.off_policy, old_BxN, batch)
+    out.update(weights)
     kl_BxN = jnp.zeros_like(old_BxN)
     if x.ref_params is not None:
         ref_BxN = group_logprobs(spec.policy, x.ref_params, batch, ctx.temperature,
@@ -172,7 +176,7 @@ def optimizer_parts(cfg: PPOConfig) -> dict[str, float | None]:
 def objective(cfg: PPOConfig, rollout: RolloutConfig) -> Objective:
     """Policy and critic losses of one batch, differentiated together (each part's
     gradient reaches only its own parameters unless the backbone is shared)."""
-    temperature, max_tokens = rollout.temperature, rollout.max_new_tokens
+    temperature = rollout.temperature
 
     def loss(spec: ActorCriticSpec, params: Any, batch: Batch, norm: dict):
         states = group_states(spec.policy, params["policy"], batch)
@@ -182,7 +186,7 @@ def objective(cfg: PPOConfig, rollout: RolloutConfig) -> Objective:
         rows = flat_rows(batch)
         mask_BxN = rows["comp_mask"]
         p_loss, metrics = policy_loss(cfg, logp_PxGxN.reshape(mask_BxN.shape), rows, norm,
-                                      max_tokens)
+                                      mask_BxN.shape[-1])
         values_BxN = critic_values(spec, params, batch, states)
         v_loss = value_loss(values_BxN, rows["values"], rows["returns"], mask_BxN,
                             cfg.value_clip, norm["tokens"])

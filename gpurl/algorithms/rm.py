@@ -43,8 +43,10 @@ def bradley_terry(scores_Px2: jax.Array, pair_mask_P: jax.Array,
 
 
 def reward_model_scores(spec: ScalarSpec, params: Any, batch: Batch) -> jax.Array:
-    """A reward model's score of every completion (after its last token), B fp32."""
-    states = group_states(spec.base, params["backbone"], batch)
+    """A reward model's score of every completion (after its last token), B fp32. It routes
+    every token itself: the batch's recorded routes are the policy's experts (routing
+    replay), which mean nothing to another model."""
+    states = group_states(spec.base, params["backbone"], batch, replay=False)
     last_BxD = final_states(states, batch["completion_lengths"].reshape(-1))
     return head(params["score"], last_BxD[:, None])[:, 0]
 

@@ -14,6 +14,7 @@ under dynamic sampling, to choose the groups to keep.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -34,12 +35,15 @@ EQUAL = 1e-9
 @dataclass(frozen=True)
 class Shaping:
     """The reward of a row from its scores: function_weight x the functions' weighted
-    total, plus DAPO's overlong punishment (Yu et al. 2025, eq. 13)."""
+    total, plus the environment's trajectory reward (whatever else is configured), plus
+    DAPO's overlong punishment (Yu et al. 2025, eq. 13). A reward model's score is added
+    on the trainer mesh, in the prepare step."""
 
     max_tokens: int  # rollout.max_new_tokens (multi-turn: env.max_tokens)
     overlong_buffer: int = 0  # the penalty ramps over the last N tokens; 0 = off
     overlong_penalty: float = 1.0  # the penalty at the length limit
-    # 0 when a reward model gives the reward and no functions were named: they only report
+    # 0 when a reward model gives the reward and no functions were named: the data's
+    # answer check only reports (an environment's reward is never weighted by it)
     function_weight: float = 1.0
 
 
@@ -55,12 +59,15 @@ def overlong_penalty(lengths_B: jax.Array, max_tokens: int, buffer: int,
     return factor * jnp.clip((start - lengths_B) / buffer, -1.0, 0.0).astype(jnp.float32)
 
 
-def shaped_rewards(shaping: Shaping, scores: jax.Array, lengths_B: jax.Array,
-                   row_ids_B: jax.Array) -> jax.Array:
-    """The reward of every device row from its scores (B x (2 + functions), the
-    scorer's columns); padding rows 0."""
-    total_B = shaping.function_weight * scores[:, 0] + overlong_penalty(
+def shaped_rewards(shaping: Shaping, functions_B: jax.Array, env_B: jax.Array | None,
+                   lengths_B: jax.Array, row_ids_B: jax.Array) -> jax.Array:
+    """The reward of every device row from the reward functions' weighted total (B,
+    `Round.functions`) and the environment's trajectory reward (B; None without an
+    environment); padding rows 0."""
+    total_B = shaping.function_weight * functions_B + overlong_penalty(
         lengths_B, shaping.max_tokens, shaping.overlong_buffer, shaping.overlong_penalty)
+    if env_B is not None:
+        total_B = total_B + env_B
     return jnp.where(row_ids_B >= 0, total_B, 0.0).astype(jnp.float32)
 
 
@@ -89,13 +96,21 @@ class Collected:
     rewards: jax.Array  # B: the shaped reward of every batch row, on the trainer mesh
     metrics: dict[str, Any]  # device scalars, host counts and times
     assembled_at: float  # host time when the batch assembly was dispatched
+    # policy versions between the parameters that sampled the trained groups and those
+    # the step trains: mean over the groups that carry loss (1 for a round sampled ahead)
+    lag: float = 0.0
 
 
 class Collector:
     """Rounds of rollouts for the shared train step of the RL algorithms.
 
     `to_trainer` moves an array of rollout rows onto the trainer mesh (`batch_sharding`);
-    `rounds` is 1 + the refills dynamic sampling may run (`drop_equal`)."""
+    `rounds` is 1 + the refills dynamic sampling may run (`drop_equal`).
+
+    Every round draws the next batch of prompts of the data's index stream (`step_indices`:
+    epoch permutations of the prompts, a pure function of the seed); `position` counts the
+    batches drawn, so the data advances by the rounds actually run, and a run resumed at
+    a checkpoint's position draws what the uninterrupted run would have."""
 
     def __init__(self, engine: RolloutEngine, prompts: Prompts, *, group: int,
                  batch_size: int, seed: int, shaping: Shaping, drop_equal: bool, rounds: int,
@@ -105,20 +120,30 @@ class Collector:
         self.batch_size, self.seed, self.shaping = batch_size, seed, shaping
         self.drop_equal, self.rounds, self.to_trainer = drop_equal, rounds, to_trainer
         self.pad_id = pad_id
-        self._shape = jax.jit(lambda s, n, i: shaped_rewards(shaping, s, n, i))
+        self._shape = jax.jit(functools.partial(shaped_rewards, shaping))
         self._spread = jax.jit(lambda r, pos: group_spread(r[pos], group))
         self._stats = jax.jit(self._round_stats)
         # rows scored 0 because a reward function failed (rewards.on_error=zero)
         self.count_errors = any(r.on_error == "zero" for r in engine.rewards)
         self._errors = jax.jit(lambda scores, ids: (scores[:, -1] * (ids >= 0)).sum())
         self._assemble = jax.jit(self._assemble_fn, out_shardings=(batch_sharding, batch_sharding))
+        self.position = 0  # batches of prompts drawn so far (checkpointed by the stepper)
+
+    def indices(self, position: int) -> np.ndarray:
+        """The global prompt indices of batch `position` of the data's index stream."""
+        return step_indices(len(self.prompts), self.batch_size, position, self.seed)
 
     def round(self, params: Any, step: int, rnd: int) -> Round:
-        """Rollout round `rnd` of `step`: its prompts and seeds are functions of both."""
-        stream = step * self.rounds + rnd if self.drop_equal else step
-        idx = step_indices(len(self.prompts), self.batch_size, stream, self.seed)
+        """Rollout round `rnd` of `step` on the next batch of prompts; its sampling seeds
+        are functions of step and round."""
+        idx = self.indices(self.position)
+        self.position += 1
         return self.engine.run(params, self.prompts, idx, self.group,
                                row_seeds(self.seed, step, rnd, len(idx) * self.group))
+
+    def round_rewards(self, r: Round) -> jax.Array:
+        """The shaped reward of every device row of a round (`shaped_rewards`), B."""
+        return self._shape(r.functions, r.env_reward, r.rollout.lengths, r.row_ids)
 
     def collect(self, params: Any, step: int, first: Round | None = None) -> Collected:
         """The rounds of `step` (`first`: its round 0, sampled ahead) and the batch of the
@@ -126,7 +151,7 @@ class Collector:
         rounds, rewards, kept, dropped = [], [], [], []
         for rnd in range(self.rounds):
             r = first if rnd == 0 and first is not None else self.round(params, step, rnd)
-            rewards.append(self._shape(r.scores, r.rollout.lengths, r.row_ids))
+            rewards.append(self.round_rewards(r))
             keep, drop = self._select(rewards[-1], r)
             kept.append(np.stack([np.full_like(keep, rnd), keep], 1))
             dropped.append(np.stack([np.full_like(drop, rnd), drop], 1))
@@ -137,6 +162,8 @@ class Collector:
         num_kept = min(len(kept_pairs), self.batch_size)
         groups = np.concatenate([kept_pairs[:num_kept], dropped_pairs])[:self.batch_size]
         select_B, keep_B = self._rows(rounds, groups, num_kept)
+        ahead = first is not None  # round 0 was sampled by the previous step's parameters
+        lag = float(np.mean(groups[:num_kept, 0] == 0)) if ahead and num_kept else 0.0
         assembled_at = time.perf_counter()
         parts = [{k: self.to_trainer(x) for k, x in self._parts(r, shaped).items()}
                  for r, shaped in zip(rounds, rewards)]
@@ -159,7 +186,7 @@ class Collector:
         if rounds[0].env is not None:  # multi-turn: the unfiltered round 0's trajectories
             metrics.update(self._env_stats(rounds[0].env, rounds[0].rollout.mask,
                                            rounds[0].rollout.lengths, jnp.asarray(rounds[0].positions)))
-        return Collected(batch, rewards_B, metrics, assembled_at)
+        return Collected(batch, rewards_B, metrics, assembled_at, lag)
 
     @staticmethod
     def _parts(r: Round, shaped: jax.Array) -> dict[str, jax.Array]:

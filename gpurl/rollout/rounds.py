@@ -60,12 +60,18 @@ class Round:
     # B x (2 + functions): weighted total, each function's score, failed (`ShardedScorer`);
     # with an environment its trajectory reward is column 1 and in the total
     scores: jax.Array
+    functions: jax.Array  # B: the reward functions' weighted total alone (no environment)
     row_ids: jax.Array  # B: the global row of each device row; -1 marks padding
     positions: np.ndarray  # host, one per global row r: its device row
     rollout_s: float
     reward_s: float
     engine: dict[str, float]  # the rollout engine's counts (`Engine.stats`)
     env: jax.Array | None = None  # B x 3 with an environment: trajectory reward, turns, error
+
+    @property
+    def env_reward(self) -> jax.Array | None:
+        """The environment's trajectory reward of every row (padding 0), B; None without one."""
+        return None if self.env is None else self.scores[:, 1]
 
 
 class RolloutEngine:
@@ -149,11 +155,12 @@ class RolloutEngine:
         global_rows = [prompts.rows[i] if i >= 0 else prompts.rows[0] for i in indices]
         row_ids = jax.make_array_from_process_local_data(self.sampler.rows, local_ids)
         scores = self.scorer(*scored, row_ids, RowContext(global_rows, group))
+        functions = scores[:, 0]
         if env is not None:
             scores = self._with_env(scores, env, row_ids)
         # Device row of global row r: processes hold `padded` rows each, real ones first.
         positions = (np.arange(count)[:, None] * padded + np.arange(per)[None]).reshape(-1)
-        return Round(rollout, prompt_tokens, prompt_lengths, scores, row_ids, positions,
+        return Round(rollout, prompt_tokens, prompt_lengths, scores, functions, row_ids, positions,
                      t1 - t0, time.perf_counter() - t1, dict(self.sampler.stats), env)
 
     def _turn_tokens(self) -> int:

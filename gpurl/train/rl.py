@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpurl.algorithms.policy_gradient import behaviour_cap
 from gpurl.algorithms.rl import RLContext, RLInputs
 from gpurl.config import (Config, ConfigError, DataConfig, EnvConfig, MeshConfig, PolicyGradientConfig,
                           RewardsConfig, RolloutConfig, TrainConfig)
@@ -99,12 +100,15 @@ class RLStepper(Stepper):
             to_trainer=self._to_trainer, batch_sharding=place.batch,
             pad_id=setup.tokenizer.pad_id)
         # rollout.async with split placement: step s+1's first rollout round is generated
-        # with the parameters step s starts from, while step s trains (one step off-policy).
+        # with the parameters step s starts from, while step s trains (one step off-policy):
+        # the prepare step computes pi_old and the loss corrects for the lag
+        # (`gpurl.algorithms.policy_gradient.behaviour_weights`).
         self.overlap = rollout.async_ and not self.sync.colocated
+        self._async_ignored = rollout.async_ and self.sync.colocated
         self._prefetched: tuple[int, Round] | None = None
         self.carry = {k: jnp.float32(v) for k, v in setup.algorithm.carry(algo).items()}
         self._timer: DeviceTimer | None = None
-        ctx = RLContext(spec, rollout.temperature, self.reward_spec)
+        ctx = RLContext(spec, rollout.temperature, self.reward_spec, off_policy=self.overlap)
         self._prepare = jit_rows(functools.partial(self._prepare_fn, ctx), place,
                                  out_shardings=(place.batch, replicated(place.mesh),
                                                replicated(place.mesh)))
@@ -213,14 +217,27 @@ class RLStepper(Stepper):
         self.engine.prompt_width = bucket(tokens, MIN_PROMPT_BUCKET)
 
     def describe(self) -> str:
-        names = ", ".join(self.engine.score_names) or "none"
+        env, functions = self.engine.env, ", ".join(r.name for r in self.engine.rewards)
+        summed = [f"environment {env.name}"] if env is not None else []
         if self.reward_spec is not None:
-            names = (f"reward model {self.algo.reward_model}"
-                     + (f" + {names}" if self.collector.shaping.function_weight
-                        else f" (reported: {names})"))
+            summed.append(f"reward model {self.algo.reward_model}")
+        reported = functions and not self.collector.shaping.function_weight
+        if functions and not reported:
+            summed.append(functions)
+        names = " + ".join(summed) or "none"
+        names += f" (reported: {functions})" if reported else ""
+        ahead = ""
+        if self.overlap:
+            cap = behaviour_cap(self.algo, True)
+            ahead = (f", rollouts one step ahead corrected by truncated importance weights "
+                     f"(C={cap:g})" if cap is not None else ", rollouts one step ahead, "
+                     f"uncorrected (algo.async_correction=false)")
+        elif self._async_ignored:
+            ahead = (", rollout.async has no effect with colocated placement (rollouts and "
+                     "training share the devices; mesh.placement=split overlaps them)")
         return (f"{len(self.prompts)} train prompts, {len(self.evals) if self.evals else 0} eval "
                 f"prompts ({self.skipped} longer than data.max_len skipped), "
-                f"G={self.algo.num_generations}, rewards: {names}")
+                f"G={self.algo.num_generations}, rewards: {names}{ahead}")
 
     def _check_rows(self) -> None:
         rows = self.train.batch_size * self.algo.num_generations
@@ -262,6 +279,8 @@ class RLStepper(Stepper):
         self._timer = DeviceTimer(nonfinite, start=got.assembled_at)  # assembly + prepare + train
         metrics = {**metrics, **prepared, **got.metrics, "nonfinite": nonfinite,
                    "time/sync_s": t_sync, "time/train_s": self._timer}
+        if self.overlap:
+            metrics["off_policy/lag"] = got.lag
         if "reward/model" in prepared:  # scored on the trainer mesh, after the functions
             for key in ("reward/mean", "reward/batch_mean"):
                 metrics[key] = Sum(metrics[key], prepared["reward/model"])
@@ -288,11 +307,20 @@ class RLStepper(Stepper):
         return time.perf_counter() - t0
 
     def state_meta(self) -> dict[str, float]:
-        """The prepare step's carry (PPO's adaptive KL coefficient)."""
-        return {k: float(v) for k, v in self.carry.items()}
+        """The prepare step's carry (PPO's adaptive KL coefficient) and the data position:
+        the batches of prompts the finished steps drew (a round sampled ahead for the next
+        step is not kept, so a resumed run draws it again)."""
+        ahead = 1 if self._prefetched is not None else 0
+        return {**{k: float(v) for k, v in self.carry.items()},
+                "data_position": self.collector.position - ahead}
 
     def restore_meta(self, meta: dict) -> None:
         self.carry = {k: jnp.float32(meta.get(k, v)) for k, v in self.carry.items()}
+        # checkpoints written before the position was recorded drew one batch per step
+        # (dynamic sampling: 1 + algo.max_refills, whether or not the refills ran)
+        per_step = self.collector.rounds if self.algo.dynamic_sampling else 1
+        legacy = int(meta.get("step", 0)) * per_step
+        self.collector.position = int(meta.get("data_position", legacy))
 
     def evaluate(self, params: Any) -> dict[str, float]:
         params = self.sync(self.setup.spec.policy_params(params))
