@@ -142,7 +142,7 @@ class PolicyGradientConfig(AlgoConfig):
     num_iterations: int = 1  # optimizer passes over each batch; > 1 uses the old log-probs
     # truncated importance sampling: cap C of min(pi_old / pi_sampler, C) per token; null = off (2 on rollout.async runs)
     tis_cap: Optional[float] = None
-    # rollout.async: weight tokens sampled a step ahead by min(pi_old / pi_sampler, C), C = tis_cap or 2; false = no weight
+    # rollout.async: weight tokens sampled a step ahead by min(pi_old / pi_sampler, C), C = tis_cap or 2; false = none (unless tis_cap)
     async_correction: bool = True
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill the batch
     max_refills: int = 4  # dynamic sampling: extra rollout rounds per step at most

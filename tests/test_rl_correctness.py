@@ -131,7 +131,7 @@ def test_a_kl_penalty_in_the_reward_is_measured_from_the_trainers_logprobs(tiny_
     np.testing.assert_allclose(out["advantages"],
                                group_advantages(rewards_B, G, "rloo").reshape(P, G), atol=1e-5)
     np.testing.assert_allclose(metrics["kl/rollout"], 0.0, atol=1e-6)
-    np.testing.assert_allclose(out["old_logprobs"], trainer, atol=1e-6)
+    assert "old_logprobs" not in out  # one pass: the loss's ratio is exactly 1
 
 
 def test_behaviour_weights_match_a_numpy_transcription():
@@ -189,6 +189,7 @@ def test_async_rounds_are_sampled_a_step_ahead_and_corrected(tmp_path):
     with its own parameters and weights each token by min(pi_old / pi_sampler, 2), which
     is not 1; the lag is logged; the checkpointed data position leaves the round drawn
     ahead to be drawn again on resume."""
+    from gpurl.algorithms.forward import group_logprobs
     from gpurl.distributed.mesh import using_devices
     from gpurl.rollout.rounds import row_seeds
     from gpurl.train.loop import build
@@ -236,8 +237,10 @@ def test_async_rounds_are_sampled_a_step_ahead_and_corrected(tmp_path):
     assert [float(m["off_policy/lag"]) for m in (m0, m1, m2)] == [0.0, 1.0, 1.0]
     batch, metrics, _ = prepared[2]
     mask = np.asarray(batch["comp_mask"]) > 0
-    old, sampler = np.asarray(batch["old_logprobs"]), np.asarray(batch["sampler_logprobs"])
-    weights = np.asarray(batch["is_weights"])
+    # pi_old: the trainer's policy at the start of step 2, computed here independently
+    old = np.asarray(jax.jit(lambda p, b: group_logprobs(setup.spec.policy, p, b)[0])(theta2, batch))
+    sampler, weights = np.asarray(batch["sampler_logprobs"]), np.asarray(batch["is_weights"])
+    assert "old_logprobs" not in batch  # one pass over the batch: the ratio is exactly 1
     np.testing.assert_allclose(weights[mask], np.minimum(np.exp(old - sampler), 2.0)[mask], rtol=1e-5)
     assert np.abs(weights[mask] - 1.0).max() > 1e-3  # the stale round is corrected
     assert 0.0 <= float(metrics["off_policy/weight_clip_fraction"]) <= 1.0
@@ -273,8 +276,10 @@ def test_ppo_corrects_rounds_sampled_ahead_as_the_grpo_family_does():
 
 def test_async_without_correction_is_an_explicit_choice():
     """algo.async_correction=false trains rounds sampled a step ahead without weights
-    (pi_old is still computed, so the clip binds against it); algo.tis_cap sets C."""
-    from gpurl.algorithms.policy_gradient import ASYNC_TIS_CAP, behaviour_cap, needs_old_logprobs
+    (unless algo.tis_cap asks for them on every run); algo.tis_cap sets C; pi_old enters
+    the loss's ratio only when a batch is trained more than once."""
+    from gpurl.algorithms.policy_gradient import (ASYNC_TIS_CAP, behaviour_cap,
+                                                  needs_old_logprobs, ratio_uses_old)
 
     grpo = algo_config("grpo")
     assert behaviour_cap(grpo, off_policy=False) is None and not needs_old_logprobs(grpo, False)
@@ -282,3 +287,5 @@ def test_async_without_correction_is_an_explicit_choice():
     assert behaviour_cap(dataclasses.replace(grpo, tis_cap=3.0), off_policy=True) == 3.0
     off = dataclasses.replace(grpo, async_correction=False)
     assert behaviour_cap(off, off_policy=True) is None and needs_old_logprobs(off, True)
+    assert behaviour_cap(dataclasses.replace(off, tis_cap=1.5), off_policy=True) == 1.5
+    assert not ratio_uses_old(grpo) and ratio_uses_old(dataclasses.replace(grpo, num_iterations=2))

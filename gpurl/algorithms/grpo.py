@@ -12,7 +12,7 @@ Batch keys, grouped by prompt (P prompts, G completions each, N completion slots
 prompt tokens) so that micro-batches split whole groups: prompt_tokens (P x W),
 prompt_lengths (P), completions (P x G x N), completion_lengths (P x G), comp_mask
 (P x G x N: 1 on completion tokens that carry loss), advantages (P x G), and when needed
-old_logprobs (`needs_old_logprobs`), ref_logprobs (beta > 0), sampler_logprobs and
+old_logprobs (num_iterations > 1: `ratio_uses_old`), ref_logprobs (beta > 0), sampler_logprobs and
 is_weights (the truncated importance weights, `behaviour_weights`), each P x G x N.
 `prepare` adds advantages and the log-probs to the rollout batch.
 """
@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+
 from gpurl.algorithms.forward import group_logprobs
 from gpurl.algorithms.objective import Batch, Objective
 from gpurl.algorithms.policy_gradient import (flat_rows, group_advantages, kl_estimate,
                                               needs_old_logprobs, off_policy_terms, policy_loss,
-                                              token_normalizer)
+                                              ratio_uses_old, token_normalizer)
 from gpurl.algorithms.rl import RLContext, RLInputs
 from gpurl.algorithms.rm import reward_model_scores
 from gpurl.config import GRPOConfig, RolloutConfig
@@ -57,19 +59,24 @@ def prepare(cfg: GRPOConfig, ctx: RLContext, x: RLInputs) -> tuple[Batch, dict, 
     out, metrics, rewards_B = dict(batch), {}, x.rewards
     if x.ref_params is not None:
         out["ref_logprobs"] = group_logprobs(policy, x.ref_params, batch, temp, replay=False)[0]
+    old = None
     if needs_old_logprobs(cfg, ctx.off_policy):
-        out["old_logprobs"] = group_logprobs(policy, params, batch, temp)[0]
-        weights, metrics = off_policy_terms(cfg, ctx.off_policy, out["old_logprobs"], batch)
+        old = group_logprobs(policy, params, batch, temp)[0]
+        weights, metrics = off_policy_terms(cfg, ctx.off_policy, old, batch)
         out.update(weights)
+        if ratio_uses_old(cfg):
+            out["old_logprobs"] = old
     if ctx.reward_model is not None:
         scores_B = reward_model_scores(ctx.reward_model, x.reward_model, batch)
         rewards_B = rewards_B + scores_B
         metrics["reward/model"] = scores_B.mean()
     if x.ref_params is not None and cfg.kl_in_reward:  # from the trainer's own log-probs
-        kl_B = (kl_estimate(out["old_logprobs"], out["ref_logprobs"], cfg.kl_estimator)
-                * batch["comp_mask"]).sum(-1).reshape(-1)
+        mask_BxN = batch["comp_mask"].reshape(-1, batch["comp_mask"].shape[-1])
+        kl_B = (kl_estimate(old, out["ref_logprobs"], cfg.kl_estimator).reshape(mask_BxN.shape)
+                * mask_BxN).sum(-1)
         rewards_B = rewards_B - cfg.beta * kl_B
-        metrics["kl/rollout"] = kl_B.mean()
+        trained = jnp.maximum((mask_BxN.sum(-1) > 0).sum(), 1)  # not dynamic sampling's fillers
+        metrics["kl/rollout"] = kl_B.sum() / trained
     out["advantages"] = group_advantages(rewards_B, group, cfg.advantage,
                                          cfg.adv_eps).reshape(-1, group)
     return out, metrics, x.carry

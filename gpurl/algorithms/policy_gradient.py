@@ -127,7 +127,7 @@ def behaviour_cap(cfg: PolicyGradientConfig, off_policy: bool) -> float | None:
     """The cap C of the truncated importance weight min(pi_old / pi_sampler, C), or None
     when the loss takes no weight: algo.tis_cap when set; on a run that trains rounds
     sampled a step ahead (`off_policy`, rollout.async), `ASYNC_TIS_CAP` unless
-    algo.async_correction=false."""
+    algo.async_correction=false (which leaves a set algo.tis_cap in force)."""
     if cfg.tis_cap is not None:
         return cfg.tis_cap
     return ASYNC_TIS_CAP if off_policy and cfg.async_correction else None
@@ -135,11 +135,20 @@ def behaviour_cap(cfg: PolicyGradientConfig, off_policy: bool) -> float | None:
 
 def needs_old_logprobs(cfg: PolicyGradientConfig, off_policy: bool) -> bool:
     """Whether the prepare step computes pi_old, the trainer's own log-probs of the batch
-    before the update: for several passes over a batch, for a batch sampled by another
-    policy (`off_policy`) or weighted against the sampler, and for a KL in the reward (a
-    KL against the sampler's log-probs would measure the sampler/trainer mismatch too)."""
+    with the parameters the step starts from: for several passes over a batch, for a
+    batch sampled by another policy (`off_policy`) or weighted against the sampler, and
+    for a KL in the reward (a KL against the sampler's log-probs would measure the
+    sampler/trainer mismatch too)."""
     return (cfg.num_iterations > 1 or off_policy or behaviour_cap(cfg, off_policy) is not None
             or (cfg.beta > 0 and cfg.kl_in_reward))
+
+
+def ratio_uses_old(cfg: PolicyGradientConfig) -> bool:
+    """Whether the loss's ratio pi_theta / pi_old reads the computed pi_old: only when the
+    batch is trained more than once. On one pass theta is pi_old's parameters, so the
+    ratio is 1 exactly as sg[pi_theta] (a second forward pass would add only float noise,
+    which a 3e-4 clip range such as GSPO's could mistake for a policy change)."""
+    return cfg.num_iterations > 1
 
 
 def behaviour_weights(old_BxT: jax.Array, sampler_BxT: jax.Array, mask_BxT: jax.Array,

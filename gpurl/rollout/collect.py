@@ -1,7 +1,7 @@
 """One RL step's rollouts: rounds of G completions per prompt, dynamic sampling, and the
 trainer batch, with rewards on device from the scorer to the batch.
 
-    round 0: the step's prompts (a pure function of seed and step), sampled and scored
+    round 0: the next batch of prompts of the data stream, sampled and scored
     [dynamic sampling (DAPO): groups whose G rewards are all equal carry no gradient;
      more rounds of fresh prompts until the batch is full or algo.max_refills is spent]
     -> the kept groups (fillers without loss if rounds ran out), grouped by prompt, on

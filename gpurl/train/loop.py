@@ -3,7 +3,8 @@
 It builds the mesh, model, optimizer and train step from the frozen config, and the
 stepper of the algorithm's family (SFT, RL, preference: `STEPPERS`), restores the newest
 checkpoint in `run.dir` if there is one (parameters, optimizer, RNG and the data
-position, which is a pure function of the step), then runs the steps, evaluating and
+position: a pure function of the step, or for RL the batches of prompts the rollout
+rounds drew, which the stepper records), then runs the steps, evaluating and
 checkpointing on their cadences. The host reads step N's metrics after dispatching
 step N+1 so the device never waits on logging.
 """

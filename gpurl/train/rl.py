@@ -269,6 +269,8 @@ class RLStepper(Stepper):
     def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
         params, t_sync = self._sync(state)
         first, self._prefetched = (self._prefetched or (None, None)), None
+        if first[0] is not None and first[0] != step:  # drawn for another step: not used
+            self.collector.position -= 1  # it was the last batch drawn
         got = self.collector.collect(params, step, first[1] if first[0] == step else None)
         batch, prepared, self.carry = self._prepare(state.params, self.ref_params, self.rm_params,
                                                     got.batch, got.rewards, self.carry)
@@ -312,7 +314,7 @@ class RLStepper(Stepper):
         step is not kept, so a resumed run draws it again)."""
         ahead = 1 if self._prefetched is not None else 0
         return {**{k: float(v) for k, v in self.carry.items()},
-                "data_position": self.collector.position - ahead}
+                "data_position": float(self.collector.position - ahead)}
 
     def restore_meta(self, meta: dict) -> None:
         self.carry = {k: jnp.float32(meta.get(k, v)) for k, v in self.carry.items()}
