@@ -59,15 +59,15 @@ def overlong_penalty(lengths_B: jax.Array, max_tokens: int, buffer: int,
     return factor * jnp.clip((start - lengths_B) / buffer, -1.0, 0.0).astype(jnp.float32)
 
 
-def shaped_rewards(shaping: Shaping, functions_B: jax.Array, env_B: jax.Array | None,
+def shaped_rewards(shaping: Shaping, functions_B: jax.Array, env_Bx3: jax.Array | None,
                    lengths_B: jax.Array, row_ids_B: jax.Array) -> jax.Array:
     """The reward of every device row from the reward functions' weighted total (B,
-    `Round.functions`) and the environment's trajectory reward (B; None without an
-    environment); padding rows 0."""
+    `Round.functions`) and the environment's trajectory reward (column 0 of `Round.env`;
+    None without an environment); padding rows 0."""
     total_B = shaping.function_weight * functions_B + overlong_penalty(
         lengths_B, shaping.max_tokens, shaping.overlong_buffer, shaping.overlong_penalty)
-    if env_B is not None:
-        total_B = total_B + env_B
+    if env_Bx3 is not None:
+        total_B = total_B + env_Bx3[:, 0]
     return jnp.where(row_ids_B >= 0, total_B, 0.0).astype(jnp.float32)
 
 
@@ -143,7 +143,7 @@ class Collector:
 
     def round_rewards(self, r: Round) -> jax.Array:
         """The shaped reward of every device row of a round (`shaped_rewards`), B."""
-        return self._shape(r.functions, r.env_reward, r.rollout.lengths, r.row_ids)
+        return self._shape(r.functions, r.env, r.rollout.lengths, r.row_ids)
 
     def collect(self, params: Any, step: int, first: Round | None = None) -> Collected:
         """The rounds of `step` (`first`: its round 0, sampled ahead) and the batch of the

@@ -68,11 +68,6 @@ class Round:
     engine: dict[str, float]  # the rollout engine's counts (`Engine.stats`)
     env: jax.Array | None = None  # B x 3 with an environment: trajectory reward, turns, error
 
-    @property
-    def env_reward(self) -> jax.Array | None:
-        """The environment's trajectory reward of every row (padding 0), B; None without one."""
-        return None if self.env is None else self.scores[:, 1]
-
 
 class RolloutEngine:
     """Samples `group` completions per prompt on the rollout mesh and scores them. With an

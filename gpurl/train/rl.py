@@ -269,8 +269,6 @@ class RLStepper(Stepper):
     def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
         params, t_sync = self._sync(state)
         first, self._prefetched = (self._prefetched or (None, None)), None
-        if first[0] is not None and first[0] != step:  # drawn for another step: not used
-            self.collector.position -= 1  # it was the last batch drawn
         got = self.collector.collect(params, step, first[1] if first[0] == step else None)
         batch, prepared, self.carry = self._prepare(state.params, self.ref_params, self.rm_params,
                                                     got.batch, got.rewards, self.carry)
