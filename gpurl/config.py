@@ -518,12 +518,21 @@ class TrainConfig:
     # a NaN or infinite loss or gradient norm: stop (end the run naming the step; the last
     # checkpoint stays the newest) or skip (leave that update out, count it in nonfinite_skipped)
     on_nonfinite: str = "stop"
+    # RL and preference pairs: every pass of the step (reference, old policy, critic, reward
+    # model, policy) runs on packed rows: completions end to end, each group's prompt once
+    # per row, no padding slots beyond bucket rounding; false = the padded P x G x N layout
+    packed: bool = True
+    # packed: tokens per micro-batch on each batch shard (rows of the batch's row length
+    # that fit; at least one row); 0 = as many as one padded micro-batch holds
+    # (micro_batch_size x G x (prompt width + completion width) / batch shards; pairs: G = 2)
+    micro_batch_tokens: int = 0
 
     def __post_init__(self) -> None:
         _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         for key in ("steps", "batch_size", "eval_batch_size", "keep_checkpoints", "log_every"):
             _positive(f"train.{key}", getattr(self, key))
-        for key in ("micro_batch_size", "eval_every", "checkpoint_every", "eval_pass_k"):
+        for key in ("micro_batch_size", "eval_every", "checkpoint_every", "eval_pass_k",
+                    "micro_batch_tokens"):
             _positive(f"train.{key}", getattr(self, key), allow_zero=True)
         micro = self.micro_batch_size or self.batch_size
         if self.batch_size % micro:

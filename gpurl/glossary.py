@@ -6,7 +6,8 @@ Digits are literal sizes (`scores_Px2`: chosen, rejected; `last_Bx1`), and `N1` 
 (the states before each of N tokens and after the last). A per-shard function's B is
 that shard's rows.
 
-    B  batch rows: sequences of a batch or of a shard (B = P x G in grouped batches)
+    B  batch rows: sequences of a batch or of a shard (B = P x G in grouped batches), or
+       the packed rows of an RL or preference step
     T  token positions of a sequence; the query tokens of attention
     S  key/value slots: the keys attention reads, the slots of a KV cache
     D  model width (d_model)
@@ -23,10 +24,12 @@ that shard's rows.
     N  completion token slots (rollout.max_new_tokens)
     W  width of a padded prompt
     M  micro-batches of a step
-    C  tokens of a chunk of each row (chunked log-probs)
+    C  tokens of a chunk of each row (chunked log-probs; a packed row's slots that
+       predict completion tokens)
     J  chunks
     X  examples of a dataset
-    Z  the tokens of many examples, one after another (packing)
+    Z  the tokens of many examples or sequences, one after another (packing: the slots of
+       a packed row)
     A  data shards of the rollout mesh (a paged KV pool has one part per shard)
     Y  blocks of a paged KV pool
     U  token slots of one KV block

@@ -8,6 +8,7 @@ gives the same logits and decode steps with each implementation."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -403,3 +404,59 @@ def test_paged_pallas_lowers_to_triton():
     args = (bf16(4, 8, 256), bf16(2, 2, 32, 64, 1, 256), bf16(2, 2, 32, 64, 1, 256), i32(4, 8), i32(4))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") >= 1
+
+
+def _shared_prefix_row():
+    """One packed RL row (`gpurl.data.packing`): group 1's prefix (5 tokens) and branches
+    of 6 and 4 tokens, group 2's prefix (3) and a branch of 5, then padding; each part's
+    (slice, positions) as a sequence on its own would hold it."""
+    from gpurl.kernels.segments import BRANCHES
+
+    parts = [(BRANCHES, 0, 5), (BRANCHES + 1, 5, 6), (BRANCHES + 2, 5, 4),
+             (2 * BRANCHES, 0, 3), (2 * BRANCHES + 1, 3, 5)]
+    seg, pos = [], []
+    for s, first, n in parts:
+        seg += [s] * n
+        pos += list(range(first, first + n))
+    pad = 32 - len(seg)
+    return (np.asarray([seg + [0] * pad], np.int32), np.asarray([pos + [0] * pad], np.int32),
+            {"b1": ([0, 5], 6), "b2": ([0, 11], 4), "c1": ([15, 18], 5)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [None, 4])
+def test_shared_prefix_branches_attend_as_separate_sequences(window, monkeypatch):
+    """Every branch of a packed row sees its group's prefix and itself: its outputs equal
+    the plain causal attention of prefix + branch as one sequence (by position, so a
+    window counts positions, not the other branches' slots between), for xla (dense and
+    its key-skipping query groups) and, with the window, the Pallas kernels (forward and
+    gradients)."""
+    seg, pos, branches = _shared_prefix_row()
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 32, 4, 8)), jnp.float32) for _ in range(3))
+    kw = dict(scale=0.4, softcap=None, window=window)
+    row = (jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(seg))
+    dense = attn.attention(q, k, v, *row, **kw, shared_prefix=True)
+    for (prefix_start, branch_start), n in branches.values():
+        plen = {0: 5, 15: 3}[prefix_start]
+        idx = np.r_[prefix_start:prefix_start + plen, branch_start:branch_start + n]
+        one = [jnp.asarray(np.arange(plen + n)[None], jnp.int32), jnp.ones((1, plen + n), jnp.int32)]
+        alone = attn.attention(q[:, idx], k[:, idx], v[:, idx], one[0], one[1], one[0], one[1], **kw)
+        np.testing.assert_allclose(dense[:, idx[plen:]], alone[:, plen:], atol=2e-6)
+        np.testing.assert_allclose(dense[:, idx[:plen]], alone[:, :plen], atol=2e-6)
+    monkeypatch.setattr(attn, "CHUNK_BYTES", 4 * 4 * 32 * 4)  # 4-query chunks: query groups
+    grouped = attn.attention(q, k, v, *row, **kw, contiguous=True, shared_prefix=True)
+    np.testing.assert_allclose(grouped, dense, atol=2e-6)
+
+    if window is None:  # the Pallas kernels in interpret mode are slow: once, windowed
+        return
+
+    def loss(fn, q, k, v):
+        o = fn(q, k, v, *row, **kw)
+        return jnp.sum(o * jnp.cos(o)), o
+
+    want = jax.value_and_grad(functools.partial(loss, reference), (0, 1, 2), has_aux=True)(q, k, v)
+    got = jax.value_and_grad(functools.partial(loss, small_blocks), (0, 1, 2), has_aux=True)(q, k, v)
+    assert_close(got[0][1], want[0][1], "float32", "pallas output")
+    for what, g, w in zip(("dq", "dk", "dv"), got[1], want[1]):
+        assert_close(g, w, "float32", f"pallas {what}")

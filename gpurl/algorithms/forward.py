@@ -3,7 +3,10 @@ the hidden states and log-probs of grouped completions (one prompt pass per grou
 
 Grouped batches (RL and preference pairs) hold P prompts with G completions each:
 prompt_tokens (P x W, right-padded), prompt_lengths (P), completions (P x G x N),
-completion_lengths (P x G).
+completion_lengths (P x G). A packed batch (`gpurl.data.packing`) also holds the same
+tokens laid out in B rows of Z slots (`pack/*`): the model then runs on the rows, every
+slot a real token, and only per-token numbers (log-probs, values) come back to the
+grouped layout, where every loss reads them as it reads the padded forward's.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from gpurl.algorithms.objective import Batch
+from gpurl.data.packing import is_packed
 from gpurl.kernels.logprob import chunked_token_logprobs
+from gpurl.models.transformer import SHARED_PREFIX
 
 
 def shifted_targets(batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -44,13 +49,16 @@ def group_states(spec: Any, params: Any, batch: Batch, replay: bool = True) -> j
     G completions attend to (positions continue each prompt; padding slots are masked). Gradients
     flow through the shared prompt keys and values, so this is the exact gradient of the
     full-sequence forward at a fraction of the cost (prompts are often 10x longer than
-    the completions).
+    the completions). A packed batch gives the rows' states instead, B x Z x D
+    (`_packed_states`): read them with `states_logprobs` and `state_values`.
 
     Batch keys: prompt_tokens (P x W, right-padded), prompt_lengths (P), completions
     (P x G x N), completion_lengths (P x G); with routing replay (and `replay`: the
     policy's forward, not a critic's or the reference's) routes (P x G x N x L x k, the
     experts the sampler chose for each completion token in each of the L sparse layers, -1
     where it did not record one), which the completion tokens are routed to."""
+    if is_packed(batch):
+        return _packed_states(spec, params, batch, replay)
     prompt_PxW, plen_P = batch["prompt_tokens"], batch["prompt_lengths"]
     comp_PxGxN = batch["completions"]
     p, g, n = comp_PxGxN.shape
@@ -69,13 +77,57 @@ def group_states(spec: Any, params: Any, batch: Batch, replay: bool = True) -> j
     return jnp.concatenate([jnp.repeat(last_PxD, g, axis=0)[:, None], hidden_BxNxD], axis=1)
 
 
+def _packed_states(spec: Any, params: Any, batch: Batch, replay: bool) -> jax.Array:
+    """Final-norm hidden states of the packed rows, B x Z x D: each branch sees its
+    group's prefix and itself (`gpurl.kernels.segments`), so a completion's states are
+    the padded forward's."""
+    routes = batch.get("pack/routes") if replay else None
+    if routes is not None:  # B x Z x L x k -> L sparse layers x B x Z x k
+        routes = jnp.moveaxis(routes, 2, 0)
+    hidden_BxZxD, _ = spec.hidden(params, batch["pack/tokens"], batch["pack/positions"],
+                                  batch["pack/segments"], SHARED_PREFIX, routes)
+    return hidden_BxZxD
+
+
+def _unpack(values_BxZ: jax.Array, batch: Batch, start: str, width: int,
+            lengths: jax.Array) -> jax.Array:
+    """P x G x `width` numbers of each completion from packed B x Z ones: column
+    `start` + j of its row for j < `lengths` (0 past them)."""
+    p, g = batch["pack/row"].shape
+    j = jnp.arange(width, dtype=jnp.int32)
+    col_PxGxN = jnp.minimum(batch[start][..., None] + j, values_BxZ.shape[1] - 1)
+    flat = (batch["pack/row"][..., None] * values_BxZ.shape[1] + col_PxGxN).reshape(-1)
+    out = values_BxZ.reshape(-1)[flat].reshape(p, g, width)
+    return jnp.where(j < lengths[..., None], out, 0.0)
+
+
+def state_values(fn: Callable[[jax.Array], jax.Array], states: jax.Array,
+                 batch: Batch) -> jax.Array:
+    """fn (... x D -> ..., a scalar head) of every completion's states s_0..s_N from
+    `group_states`, P x G x (N+1); packed states go through `fn` in their rows, and only
+    the numbers come back (0 past each completion's end)."""
+    p, g, n = batch["completions"].shape
+    if not is_packed(batch):
+        return fn(states).reshape(p, g, n + 1)
+    return _unpack(fn(states), batch, "pack/start", n + 1, batch["completion_lengths"] + 1)
+
+
 def states_logprobs(spec: Any, params: Any, states_BxN1xD: jax.Array, batch: Batch,
                     temperature: float = 1.0, chunk_size: int | None = None,
                     differentiable_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
     """(log p, entropy) of every completion token from `group_states`, P x G x N fp32. Only
     the states that predict completion tokens go through the vocabulary-sized head, in
-    chunks (`gpurl.kernels.logprob`); the entropy carries a gradient only when asked."""
+    chunks (`gpurl.kernels.logprob`); the entropy carries a gradient only when asked.
+    Packed rows: the states of each row's `pack/head` slots, against `pack/targets`."""
     p, g, n = batch["completions"].shape
+    if is_packed(batch):
+        head_BxCxD = jnp.take_along_axis(states_BxN1xD, batch["pack/head"][..., None], axis=1)
+        logp_BxC, entropy_BxC = chunked_token_logprobs(
+            spec.logits, params, head_BxCxD, batch["pack/targets"], temperature or 1.0,
+            chunk_size=chunk_size, differentiable_entropy=differentiable_entropy)
+        lengths = batch["completion_lengths"]
+        return (_unpack(logp_BxC, batch, "pack/head_start", n, lengths),
+                _unpack(entropy_BxC, batch, "pack/head_start", n, lengths))
     logp_BxN, entropy_BxN = chunked_token_logprobs(
         spec.logits, params, states_BxN1xD[:, :-1], batch["completions"].reshape(p * g, n),
         temperature or 1.0, chunk_size=chunk_size, differentiable_entropy=differentiable_entropy)
@@ -92,6 +144,9 @@ def group_logprobs(spec: Any, params: Any, batch: Batch, temperature: float = 1.
     return states_logprobs(spec, params, states, batch, temperature, chunk_size)
 
 
-def final_states(states_BxN1xD: jax.Array, lengths_B: jax.Array) -> jax.Array:
-    """The state after each whole completion, B x D."""
-    return jnp.take_along_axis(states_BxN1xD, lengths_B[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+def final_values(fn: Callable[[jax.Array], jax.Array], states: jax.Array,
+                 batch: Batch) -> jax.Array:
+    """fn (a scalar head) of the state after each whole completion, B (`state_values`)."""
+    values_PxGxN1 = state_values(fn, states, batch)
+    lengths_B = batch["completion_lengths"].reshape(-1, 1).astype(jnp.int32)
+    return jnp.take_along_axis(values_PxGxN1.reshape(lengths_B.shape[0], -1), lengths_B, axis=1)[:, 0]

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gpurl.algorithms.forward import group_logprobs, group_states, states_logprobs
+from gpurl.algorithms.forward import group_logprobs, group_states, state_values, states_logprobs
 from gpurl.algorithms.objective import Batch, Objective
 from gpurl.algorithms.policy_gradient import (flat_rows, kl_estimate, off_policy_terms,
                                               policy_loss, token_normalizer)
@@ -106,7 +106,8 @@ def critic_values(spec: ActorCriticSpec, params: Any, batch: Batch,
             states = group_states(spec.policy, params["policy"], batch)
     else:
         states = group_states(spec.critic.base, critic["backbone"], batch, replay=False)
-    return head(critic["score"], states[:, :-1])
+    values_PxGxN1 = state_values(lambda h: head(critic["score"], h), states, batch)
+    return values_PxGxN1[..., :-1].reshape(-1, values_PxGxN1.shape[-1] - 1)
 
 
 def prepare(cfg: PPOConfig, ctx: RLContext, x: RLInputs) -> tuple[Batch, dict, dict]:

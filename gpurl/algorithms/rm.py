@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gpurl.algorithms.forward import final_states, group_states
+from gpurl.algorithms.forward import final_values, group_states
 from gpurl.algorithms.objective import Batch, Objective
 from gpurl.config import ModelConfig, RewardModelConfig, RolloutConfig
 from gpurl.models.scalar import ScalarSpec, head, scalar_spec
@@ -47,8 +47,7 @@ def reward_model_scores(spec: ScalarSpec, params: Any, batch: Batch) -> jax.Arra
     every token itself: the batch's recorded routes are the policy's experts (routing
     replay), which mean nothing to another model."""
     states = group_states(spec.base, params["backbone"], batch, replay=False)
-    last_BxD = final_states(states, batch["completion_lengths"].reshape(-1))
-    return head(params["score"], last_BxD[:, None])[:, 0]
+    return final_values(lambda h: head(params["score"], h), states, batch)
 
 
 def model(cfg: RewardModelConfig, model_cfg: ModelConfig) -> ScalarSpec:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gpurl.config import ConfigError, DataConfig
+from gpurl.kernels.segments import BRANCHES
 
 if TYPE_CHECKING:
     from gpurl.models.tokenizer import Tokenizer
@@ -150,7 +151,9 @@ def _first_fit(len_X: list[int], T: int) -> tuple[np.ndarray, np.ndarray, np.nda
 
     A max-tree over the free space of every potential row (one per example, all empty at
     first) finds the lowest row with room in O(log X), so packing a large dataset stays
-    fast; an unopened row is simply the first empty leaf.
+    fast; an unopened row is simply the first empty leaf. A row takes at most
+    BRANCHES - 1 examples: larger segment ids would read as shared-prefix branches
+    (`gpurl.kernels.segments`).
     """
     size = 1 << max(len(len_X) - 1, 0).bit_length()
     free = [0] * size + [T] * len(len_X) + [0] * (size - len(len_X))
@@ -169,7 +172,7 @@ def _first_fit(len_X: list[int], T: int) -> tuple[np.ndarray, np.ndarray, np.nda
         count[row] += 1
         segs.append(count[row])
         used[row] += length
-        free[node] -= length
+        free[node] = 0 if count[row] == BRANCHES - 1 else free[node] - length
         while node > 1:
             node //= 2
             free[node] = max(free[2 * node], free[2 * node + 1])

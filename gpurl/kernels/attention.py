@@ -6,8 +6,11 @@ tokens, S key tokens, H query heads, K key/value heads (H % K == 0), Q = H / K, 
 
 The mask is described, never materialized by the caller: positions and segment ids of the
 queries and of the keys, plus an optional sliding window. A key is visible to a query
-iff kv_pos <= q_pos, both have the same segment, the key's segment is not 0 (padding or
-an empty cache slot) and, with a window, q_pos - kv_pos < window. Flash kernels evaluate
+iff kv_pos <= q_pos, the key is in the query's segment or in that segment's shared
+prefix (`visible_segments`), the key's segment is not 0 (padding or an empty cache slot)
+and, with a window, q_pos - kv_pos < window.
+Shared prefixes are how packed RL rows compute each group's prompt once: see
+`gpurl.kernels.segments`. Flash kernels evaluate
 this per block, so T x S never exists in memory; `xla` builds it (`attention_mask`) one
 query chunk at a time and, for long self-attention, skips the keys a chunk cannot see
 (`causal_groups`).
@@ -46,6 +49,7 @@ from gpurl.kernels import platform
 from gpurl.kernels.paged_attention import paged_decode_attention, paged_write
 from gpurl.kernels.pallas_attention import flash_attention
 from gpurl.kernels.pallas_paged import paged_decode_attention as paged_pallas
+from gpurl.kernels.segments import visible_segments
 
 IMPLEMENTATIONS = ("xla", "cudnn", "pallas")
 
@@ -93,11 +97,12 @@ def attention_mask(
     kv_segments_BxS: jax.Array,
     window: int | None = None,
 ) -> jax.Array:
-    """Causal, same-segment (packing), non-padding (segment 0) and optional sliding window."""
+    """Causal, same segment or its shared prefix (packing), non-padding (segment 0) and
+    optional sliding window."""
     q_pos = q_positions_BxT[:, :, None]
     kv_pos = kv_positions_BxS[:, None, :]
-    mask_BxTxS = (kv_pos <= q_pos) & (q_segments_BxT[:, :, None] == kv_segments_BxS[:, None, :])
-    mask_BxTxS &= kv_segments_BxS[:, None, :] != 0
+    mask_BxTxS = (kv_pos <= q_pos) & visible_segments(q_segments_BxT[:, :, None],
+                                                      kv_segments_BxS[:, None, :])
     if window is not None:
         mask_BxTxS &= q_pos - kv_pos < window
     return mask_BxTxS
@@ -142,6 +147,7 @@ def attention(
     softcap: float | None = None,
     window: int | None = None,
     contiguous: bool = False,
+    shared_prefix: bool = False,
     implementation: str = "xla",
     shards: Shards | None = None,
 ) -> jax.Array:
@@ -163,7 +169,7 @@ def attention(
     args = (q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, q_positions_BxT, q_segments_BxT,
             kv_positions_BxS, kv_segments_BxS)
     fn = functools.partial(_IMPLEMENTATIONS[implementation], scale=scale, softcap=softcap,
-                           window=window, contiguous=contiguous)
+                           window=window, contiguous=contiguous, shared_prefix=shared_prefix)
     if implementation == "pallas" and shards is not None:
         qkv, rows = shards.spec(4, heads=2), shards.spec(2)
         return shards.run(fn, (qkv, qkv, qkv, rows, rows, rows, rows), qkv, *args)
@@ -213,12 +219,13 @@ def causal_groups(t: int, window: int | None) -> list[tuple[int, int, int]]:
 
 
 def _xla(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, q_pos_BxT, q_seg_BxT, kv_pos_BxS, kv_seg_BxS, *,
-         scale, softcap, window, contiguous=False):
+         scale, softcap, window, contiguous=False, shared_prefix=False):
     """Dense masked attention in query chunks (`_chunked`). A `contiguous` self-attention
     long enough to need several chunks runs as `causal_groups` instead: each group of
     queries attends, chunk by chunk, to its static key range only, and the groups' outputs
-    are concatenated. A short one (a single chunk) and any other call (KV cache, prompt
-    keys) run dense over all S keys."""
+    are concatenated (with shared prefixes, every key range starts at 0: see
+    `attention`). A short one (a single chunk) and any other call (KV cache, prompt keys)
+    run dense over all S keys."""
     b, t, h, _ = q_BxTxHxE.shape
     s = k_BxSxKxE.shape[1]
     kw = dict(scale=scale, softcap=softcap, window=window)
@@ -227,7 +234,7 @@ def _xla(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, q_pos_BxT, q_seg_BxT, kv_pos_BxS, kv_s
     if not contiguous or t != s or query_chunk(b, t, h, s) >= t:
         return _chunked(*q_args, *kv_args, **kw)
     out_BxTxHxE = []
-    for q0, q1, k0 in causal_groups(t, window):
+    for q0, q1, k0 in causal_groups(t, None if shared_prefix else window):
         # As many chunks as `query_chunk` needs, of equal size (a group's width is rarely
         # a power of two). Every group is rematerialized, as one chunk or chunk by chunk,
         # so like the dense chunks no group's logits outlive its own forward or backward.
@@ -286,8 +293,9 @@ def _xla_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS, scale, softcap):
     return out_BxTxKxQxE.reshape(b, t, h, d)
 
 
-def _pallas(*args, scale, softcap, window, contiguous=False):
-    del contiguous  # the kernels skip masked blocks from the positions themselves
+def _pallas(*args, scale, softcap, window, contiguous=False, shared_prefix=False):
+    # the kernels skip masked blocks from the positions and segments themselves
+    del contiguous, shared_prefix
     interpret = platform.backend() != "gpu"
     return flash_attention(*args, scale=scale, softcap=softcap, window=window,
                            interpret=interpret)
@@ -309,14 +317,20 @@ def _cudnn_unsupported(q_BxTxHxE: jax.Array, k_BxSxKxE: jax.Array, softcap: floa
 
 
 def _cudnn(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, q_pos_BxT, q_seg_BxT, kv_pos_BxS, kv_seg_BxS, *,
-           scale, softcap, window, contiguous=True):
-    # No soft-cap here (see _cudnn_unsupported); positions are indices (contiguous).
-    del softcap, q_pos_BxT, kv_pos_BxS, contiguous
-    same_BxTxS = (q_seg_BxT[:, :, None] == kv_seg_BxS[:, None, :]) & (kv_seg_BxS[:, None, :] != 0)
+           scale, softcap, window, contiguous=True, shared_prefix=False):
+    # No soft-cap here (see _cudnn_unsupported). Causality is by index (contiguous: a
+    # visible key never follows its query, shared prefixes included); the segments, and
+    # with shared prefixes the window (by position: a prefix key's index distance is not
+    # its position distance), reach cuDNN as the dense mask.
+    del softcap, contiguous
+    same_BxTxS = visible_segments(q_seg_BxT[:, :, None], kv_seg_BxS[:, None, :])
+    local = None if window is None else (window - 1, 0)
+    if shared_prefix and window is not None:
+        same_BxTxS &= q_pos_BxT[:, :, None] - kv_pos_BxS[:, None, :] < window
+        local = None
     out_BxTxHxE = jax.nn.dot_product_attention(
         q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask=same_BxTxS[:, None], scale=scale,
-        is_causal=True, local_window_size=None if window is None else (window - 1, 0),
-        implementation="cudnn")
+        is_causal=True, local_window_size=local, implementation="cudnn")
     # cuDNN leaves queries without a visible key undefined; the reference returns zeros.
     seen_BxT = q_seg_BxT != 0
     return jnp.where(seen_BxT[:, :, None, None], out_BxTxHxE, 0).astype(q_BxTxHxE.dtype)

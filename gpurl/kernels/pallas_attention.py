@@ -8,8 +8,9 @@ saved log-sum-exp (lse) in two kernels: one owns a query block and accumulates d
 owns a key block and accumulates dK and dV over the queries of every head in its group.
 
 The mask is the one of `gpurl.kernels.attention.attention_mask`, evaluated per block from
-positions and segment ids: key visible iff kv_pos <= q_pos, same segment, key segment
-!= 0 and (with a window) q_pos - kv_pos < window. A key block that no query of the block
+positions and segment ids: key visible iff kv_pos <= q_pos, the query's segment or its
+shared prefix (`gpurl.kernels.segments`), key segment != 0 and (with a window)
+q_pos - kv_pos < window. A key block that no query of the block
 can see (from the blocks' position ranges) is skipped, which gives causal and window
 attention their ~2x and ~T/window savings without assuming positions equal indices.
 Queries that see no key (padding) return zeros, like the reference.
@@ -29,10 +30,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from gpurl.kernels.segments import BRANCHES, visible_segments
+
 # Logit of a masked key: finite, so that a block with no visible key gives exp(0) * 0
 # instead of exp(-inf - -inf) = nan; the explicit zeroing of masked p does the rest.
 _MASKED = -1e30
-_BIG = 2**30  # beyond any position
+_BIG = 2**30  # beyond any position or segment
 
 
 class Static(NamedTuple):
@@ -57,20 +60,27 @@ def _logits_and_mask(q, k, qpos, qseg, kpos, kseg, st: Static):
     s = plgpu.dot(q, k, trans_b=True, allow_tf32=False).astype(jnp.float32) * st.scale
     if st.softcap is not None:
         s = st.softcap * jnp.tanh(s / st.softcap)
-    visible = ((kpos[None, :] <= qpos[:, None]) & (qseg[:, None] == kseg[None, :])
-               & (kseg[None, :] != 0))
+    visible = (kpos[None, :] <= qpos[:, None]) & visible_segments(qseg[:, None], kseg[None, :])
     if st.window is not None:
         visible &= qpos[:, None] - kpos[None, :] < st.window
     return jnp.where(visible, s, _MASKED), visible
 
 
 def _block_live(qpos, qseg, kpos, kseg, st: Static):
-    """Whether any query of the block may see any key of the block (a cheap superset)."""
+    """Whether any query of the block may see any key of the block (a cheap superset):
+    by positions, and by segments, which packed rows lay out in increasing order (a key
+    block entirely before the queries' first group prefix, or after their last segment,
+    is another sequence's)."""
     q_max = jnp.max(jnp.where(qseg != 0, qpos, -_BIG))
     q_min = jnp.min(jnp.where(qseg != 0, qpos, _BIG))
     k_min = jnp.min(jnp.where(kseg != 0, kpos, _BIG))
     k_max = jnp.max(jnp.where(kseg != 0, kpos, -_BIG))
     live = k_min <= q_max
+    qs_min = jnp.min(jnp.where(qseg != 0, qseg, _BIG))
+    qs_max = jnp.max(jnp.where(qseg != 0, qseg, -_BIG))
+    ks_min = jnp.min(jnp.where(kseg != 0, kseg, _BIG))
+    ks_max = jnp.max(jnp.where(kseg != 0, kseg, -_BIG))
+    live &= (ks_max >= qs_min - qs_min % BRANCHES) & (ks_min <= qs_max)
     if st.window is not None:
         live &= k_max > q_min - st.window
     return live

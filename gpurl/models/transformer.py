@@ -189,15 +189,16 @@ class Attention(nnx.Module):
                                           softcap=self.softcap, window=window,
                                           implementation=self.implementation, shards=shards)
                 return out, cache, (k_BxTxKxE, v_BxTxKxE)
-            if cache is None:
+            own = cache is None or isinstance(cache, SharedPrefix)  # self-attention
+            if own:
                 keys, values, kv_pos, kv_seg = k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT
             else:
                 keys, values, kv_pos, kv_seg, cache = cache.extend(
                     layer, k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT)
             out = attention(q_BxTxHxE, keys, values, positions_BxT, segments_BxT, kv_pos,
                             kv_seg, scale=self.scale, softcap=self.softcap, window=window,
-                            contiguous=cache is None, implementation=self.implementation,
-                            shards=shards)
+                            contiguous=own, shared_prefix=cache is not None and own,
+                            implementation=self.implementation, shards=shards)
             return out, cache, (k_BxTxKxE, v_BxTxKxE)
 
         branches = [functools.partial(attend, *k) for k in self.kinds]
@@ -327,10 +328,12 @@ class Transformer(nnx.Module):
         return self.logits(hidden_BxTxD)
 
     def hidden(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
-               cache: KVCache | PromptKV | None = None, routes: jax.Array | None = None
-               ) -> tuple[jax.Array, KVCache | PromptKV | None]:
+               cache: KVCache | PromptKV | SharedPrefix | None = None,
+               routes: jax.Array | None = None) -> tuple[jax.Array, Any]:
         """Final-norm hidden states of the T tokens. With a `KVCache` (sampling) they are
-        appended to it; with a `PromptKV` (a training forward) they attend to its prompts.
+        appended to it; with a `PromptKV` (a training forward) they attend to its prompts;
+        with `SHARED_PREFIX` they are packed rows whose segments have shared prefixes
+        (`gpurl.kernels.segments`).
         `routes`: experts the sampler chose for these tokens (routing replay;
         -1 routes a token afresh)."""
         x_BxTxD, cache, _ = self._layers(tokens_BxT, positions_BxT, segments_BxT, cache, False,
@@ -364,6 +367,7 @@ class Transformer(nnx.Module):
                 positions=jax.lax.dynamic_update_slice(cache.positions, positions_BxT, start),
                 segments=jax.lax.dynamic_update_slice(cache.segments, segments_BxT, start))
         prompt = cache if isinstance(cache, PromptKV) else None
+        shared = cache if isinstance(cache, SharedPrefix) else None
         kinds = jnp.asarray(self.layer_kinds, jnp.int32)
         kv_parts, stats_parts = [], []
         for name, first, count, layer0 in layer_runs(self.cfg):
@@ -377,7 +381,8 @@ class Transformer(nnx.Module):
             xs = (stacked, kinds[run], jnp.arange(layer0, layer0 + count, dtype=jnp.int32),
                   None if prompt is None else (prompt.k[run], prompt.v[run]), replayed)
             (x_BxTxD, cache), (kv, routing) = jax.lax.scan(
-                self._layer_fn(graphdef, positions_BxT, segments_BxT, prompt, carried, keep_kv),
+                self._layer_fn(graphdef, positions_BxT, segments_BxT, prompt, carried, keep_kv,
+                               shared),
                 (x_BxTxD, cache if carried else None), xs)
             kv_parts.append(kv)
             if routing is not None:
@@ -393,7 +398,8 @@ class Transformer(nnx.Module):
         return self.final_norm(x_BxTxD), cache, kv
 
     def _layer_fn(self, graphdef: Any, positions_BxT: jax.Array, segments_BxT: jax.Array,
-                  prompt: PromptKV | None, carried: bool, keep_kv: bool):
+                  prompt: PromptKV | None, carried: bool, keep_kv: bool,
+                  shared: SharedPrefix | None = None):
         """The scan body over one run of stacked layers."""
         keep_experts = moe.recording_experts()
 
@@ -402,6 +408,8 @@ class Transformer(nnx.Module):
             state, kind, index, prompt_kv, routes = xs
             if prompt is not None:  # this layer's slice of the prompts' keys and values
                 kv_cache = prompt.replace(k=prompt_kv[0], v=prompt_kv[1])
+            elif shared is not None:
+                kv_cache = shared
             x_BxTxD, kv_cache, kv, routing = nnx.merge(graphdef, state)(
                 constrain_rows(x_BxTxD), positions_BxT, segments_BxT, kind, index, kv_cache, routes)
             x_BxTxD = constrain_rows(x_BxTxD)
@@ -476,6 +484,15 @@ class PagedKV:
             q_Bx1xHxE[:, 0], k_Bx1xKxE[:, 0], v_Bx1xKxE[:, 0], self.k, self.v, layer,
             self.table, self.lengths, self.live, **kwargs)
         return out_BxHxE[:, None], self.replace(k=k, v=v)
+
+
+@flax.struct.dataclass
+class SharedPrefix:
+    """The cache argument of a training forward over packed rows whose segments have
+    shared prefixes (`gpurl.kernels.segments`): no arrays, only the attention mode."""
+
+
+SHARED_PREFIX = SharedPrefix()
 
 
 @flax.struct.dataclass

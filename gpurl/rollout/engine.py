@@ -49,10 +49,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.config import ConfigError, RolloutConfig
+from gpurl.distributed import runtime
 from gpurl.distributed.mesh import Rules, replicated, tree_shardings
 from gpurl.models import moe
 from gpurl.kernels.attention import resolve as resolve_attention
@@ -460,14 +460,10 @@ class Engine(Generator):
     # ------------------------------------------------------------ multi-process
 
     def _agree_max(self, value: int) -> int:
-        if jax.process_count() == 1:
-            return int(value)
-        return int(np.max(multihost_utils.process_allgather(np.int64(value))))
+        return max(runtime.gather_ints(value))
 
     def _agree_sum(self, value: int) -> int:
-        if jax.process_count() == 1:
-            return int(value)
-        return int(np.sum(multihost_utils.process_allgather(np.int64(value))))
+        return sum(runtime.gather_ints(value))
 
     def _agree_any(self, flag: bool) -> bool:
         return self._agree_max(int(bool(flag))) > 0

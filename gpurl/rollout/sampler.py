@@ -23,10 +23,10 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.config import ConfigError, RolloutConfig
+from gpurl.distributed import runtime
 from gpurl.distributed.mesh import Rules, replicated
 from gpurl.models.spec import ModelSpec, Params
 from gpurl.models.transformer import KVCache, init_cache
@@ -104,7 +104,7 @@ class Sampler(Generator):
                 group = g
                 break
         if jax.process_count() > 1:  # one program shape for every process
-            group = int(np.gcd.reduce(multihost_utils.process_allgather(np.int32(group))))
+            group = int(np.gcd.reduce(runtime.gather_ints(group)))
         return group
 
     def generate_prepared(self, params: Params, batch: tuple[jax.Array, jax.Array, jax.Array],
@@ -150,7 +150,7 @@ class Sampler(Generator):
             raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts; give one seed per prompt.")
         longest = max(len(p) for p in prompts)
         if jax.process_count() > 1:  # every process must pick the same shapes
-            longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
+            longest = max(runtime.gather_ints(longest))
         if width is not None and longest > width:
             raise ConfigError(f"a prompt has {longest} tokens, more than the {width} allowed; "
                               f"shorten the prompt or raise data.max_len.")

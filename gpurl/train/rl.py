@@ -28,14 +28,15 @@ from gpurl.config import (Config, ConfigError, DataConfig, EnvConfig, MeshConfig
                           RewardsConfig, RolloutConfig, TrainConfig)
 from gpurl.data.sources import default_rewards, load_prompts
 from gpurl.distributed import runtime
-from gpurl.distributed.mesh import placement_devices, replicated
+from gpurl.data import packing
+from gpurl.distributed.mesh import batch_divisor, placement_devices, replicated
 from gpurl.distributed.sync import WeightSync
 from gpurl.models import lora
 from gpurl.models.spec import Params
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.collect import Collector, Shaping
 from gpurl.rollout.decode import local_rows
-from gpurl.rollout.rounds import Round, RolloutEngine
+from gpurl.rollout.rounds import Round, RolloutEngine, to_host
 from gpurl.rollout.prompts import Prompts, encode_prompts
 from gpurl.rollout.engine import MIN_PROMPT_BUCKET, bucket
 from gpurl.train.metrics import DeviceTimer, Sum
@@ -108,6 +109,12 @@ class RLStepper(Stepper):
         self._prefetched: tuple[int, Round] | None = None
         self.carry = {k: jnp.float32(v) for k, v in setup.algorithm.carry(algo).items()}
         self._timer: DeviceTimer | None = None
+        # Packed rows (train.packed): the plan's row shards and token budget per micro-batch
+        self.shards = batch_divisor(place.mesh, mesh.train_rules)
+        self.budget = train.micro_batch_tokens or max(
+            train.batch_size // train.num_micro_batches * algo.num_generations
+            * (self.engine.prompt_width + self.engine.width) // self.shards, 1)
+        self.pad_id = setup.tokenizer.pad_id
         ctx = RLContext(spec, rollout.temperature, self.reward_spec, off_policy=self.overlap)
         self._prepare = jit_rows(functools.partial(self._prepare_fn, ctx), place,
                                  out_shardings=(place.batch, replicated(place.mesh),
@@ -145,6 +152,13 @@ class RLStepper(Stepper):
         replayed = self.engine.sampler.routes_shape
         if replayed is not None:  # routing replay: the sampler's experts per token
             collected["routes"] = sds((p, g, n, *replayed), jnp.int16)
+        if self.train.packed:  # the largest micro-batch the token budget allows, at the
+            # row length of the longest prompt and completion (`gpurl.data.packing`)
+            length = max(packing.ROW_MIN, 1 << (w + n - 1).bit_length())
+            rows = self.shards * max(self.budget // length, 1)
+            collected.update({k: sds((rows, length), i32) for k in
+                              ("pack/source", "pack/positions", "pack/segments", "pack/head")})
+            collected.update({k: sds((p, g), i32) for k in packing.INDEX})
         return collected
 
     def _prepare_args(self, collected: dict) -> tuple:
@@ -261,6 +275,8 @@ class RLStepper(Stepper):
 
     def _prepare_fn(self, ctx: RLContext, params: Any, ref_params: Any, rm_params: Any,
                     batch: dict, rewards_B: jax.Array, carry: dict) -> tuple[dict, dict, dict]:
+        if "pack/source" in batch:  # the packed rows' tokens, from the plan's indices
+            batch = packing.gather(dict(batch), self.pad_id)
         if self.base_ref:
             ref_params = lora.disabled(ctx.spec.policy_params(params))
         return self.setup.algorithm.prepare(
@@ -270,11 +286,20 @@ class RLStepper(Stepper):
         params, t_sync = self._sync(state)
         first, self._prefetched = (self._prefetched or (None, None)), None
         got = self.collector.collect(params, step, first[1] if first[0] == step else None)
+        collected, static = got.batch, ()
+        if self.train.packed:
+            # The rounds' statistics are computed on the rollout mesh; with several
+            # processes, a collective on another device set while they run could meet the
+            # peers' in another order, so the plan's gather of the lengths waits for them.
+            jax.block_until_ready([m for m in got.metrics.values() if isinstance(m, jax.Array)])
+            plan = self._pack(got.batch)
+            collected = {**got.batch, **self._put(packing.plan_arrays(plan))}
+            static = (plan.num_micro,) if plan.num_micro > 1 else ()  # 1: as planned
         batch, prepared, self.carry = self._prepare(state.params, self.ref_params, self.rm_params,
-                                                    got.batch, got.rewards, self.carry)
+                                                    collected, got.rewards, self.carry)
         nonfinite = 0.0
         for _ in range(self.algo.num_iterations):
-            state, metrics = self.setup.step_fn(state, batch)  # dispatched, not awaited
+            state, metrics = self.setup.step_fn(state, batch, *static)  # dispatched, not awaited
             nonfinite = nonfinite + metrics["nonfinite"]  # updates left out, all iterations
         self._timer = DeviceTimer(nonfinite, start=got.assembled_at)  # assembly + prepare + train
         metrics = {**metrics, **prepared, **got.metrics, "nonfinite": nonfinite,
@@ -288,6 +313,21 @@ class RLStepper(Stepper):
             metrics["time/overlapped_rollout_s"] = self._prefetch(params, step)
             self._timer.exclude(metrics["time/overlapped_rollout_s"])
         return state, metrics
+
+    def _pack(self, batch: dict) -> packing.Plan:
+        """The packed layout of a collected batch, planned on every process from the
+        batch's lengths (the same plan everywhere)."""
+        p, g, n = batch["completions"].shape
+        d = self.setup.spec.policy.cfg.d_model
+        return packing.plan(to_host(batch["prompt_lengths"]), to_host(batch["completion_lengths"]),
+                            batch["prompt_tokens"].shape[1], n, self.budget, self.shards,
+                            attention_cost=1.0 / (12 * d))
+
+    def _put(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host arrays every process holds whole, sharded like the batch."""
+        sh = self.setup.place.batch
+        return {k: jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx])
+                for k, v in arrays.items()}
 
     def _sync(self, state: TrainState) -> tuple[Any, float]:
         """The policy's parameters in the rollout layout, once the previous update is done

@@ -7,6 +7,7 @@ micro-batch. Shardings are explicit on both sides and the old state is donated.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.algorithms.objective import Batch, Objective
 from gpurl.config import ModelConfig, OptimConfig
+from gpurl.data import packing
 from gpurl.distributed.mesh import Rules, batch_sharding, replicated, tree_shardings
 from gpurl.models import lora, moe
 from gpurl.models.paths import param_path
@@ -202,8 +204,18 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
 
     zeros = jax.tree.map(jnp.zeros_like, train_p)
     keys_M = jax.random.split(jax.random.key(0) if rng is None else rng, num_micro)
-    micro_M = _split_micro(batch, num_micro, place.batch)
-    grads, metrics_M = jax.lax.scan(body, zeros, (micro_M, keys_M))
+    if packing.is_packed(batch):
+        # Packed rows: micro-batch m takes rows m, m+M, ... and reads the grouped arrays
+        # whole, its own completions unmasked (`gpurl.data.packing.micro_batch`).
+        rows_M, whole = packing.micro_batches(batch, num_micro)
+        micro_rows = NamedSharding(place.batch.mesh, P(None, *place.batch.spec))
+        rows_M = jax.lax.with_sharding_constraint(rows_M, jax.tree.map(lambda _: micro_rows, rows_M))
+        micro_M = (rows_M, jnp.arange(num_micro))
+        view = lambda micro: packing.micro_batch(micro[0], whole, micro[1], num_micro)  # noqa: E731
+    else:
+        micro_M, view = _split_micro(batch, num_micro, place.batch), lambda micro: micro
+    grads, metrics_M = jax.lax.scan(lambda acc, xs: body(acc, (view(xs[0]), xs[1])), zeros,
+                                    (micro_M, keys_M))
     grads = jax.tree.map(lambda g, p: jnp.zeros_like(p) if g is None else g, grads, params,
                          is_leaf=is_none)
     if loss_scale is not None:
@@ -215,6 +227,7 @@ def jit_rows(fn: Callable, place: Placement, **jit_kwargs: Any) -> Any:
     """`jax.jit(fn)` whose model activations keep their rows sharded like the batch
     (`gpurl.models.layers.sharded_rows`): with FSDP, XLA then gathers the weights rather
     than the activations; mixture-of-experts layers run their experts where they live."""
+    @functools.wraps(fn)
     def traced(*args: Any) -> Any:
         with sharded_rows(place.batch, place.rules):
             return fn(*args)
@@ -255,7 +268,12 @@ def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.Grad
     With `scaling` (fp16; the state holds a `LossScale`) a non-finite gradient of a finite
     loss is an overflow: the update is left out, the scale halved (`Scaling`), and the
     step is not `nonfinite`; metrics `loss_scale` (the scale the step used) and `overflow`."""
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    default_micro = num_micro
+
+    def step(state: TrainState, batch: Batch, num_micro: int | None = None
+             ) -> tuple[TrainState, dict]:
+        if num_micro is None:  # packed batches say theirs (`gpurl.data.packing.Plan`)
+            num_micro = 1 if packing.is_packed(batch) else default_micro
         train = trainable(state.params, freeze)
         if place.frozen is not None:
             train = jax.tree.map(lambda t, f: t and not f, train, place.frozen)
@@ -290,7 +308,8 @@ def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.Grad
         return new_state, metrics
 
     return Program(jit_rows(step, place, in_shardings=(place.state, place.batch),
-                            out_shardings=(place.state, replicated(place.mesh)), donate_argnums=0))
+                            out_shardings=(place.state, replicated(place.mesh)), donate_argnums=0,
+                            static_argnums=2))
 
 
 def make_eval_step(spec: ModelSpec, objective: Objective, place: Placement) -> Callable:

@@ -1,0 +1,259 @@
+"""Packed rows for the RL step: every group's prompt once per row, its completions after it,
+no completion padding, and micro-batches sized by tokens.
+
+A batch of P prompts with G completions each (the grouped layout: prompts P x W,
+completions P x G x N) becomes B rows of Z slots. A group in a row is its prompt's first
+plen - 1 tokens (the shared prefix, segment id k x BRANCHES for the row's k-th group) and
+then one branch per completion (segment k x BRANCHES + j): the prompt's last token and
+the completion's tokens, positions continuing the prompt (plen - 1, plen, ...). The
+attention rule of `gpurl.kernels.segments` lets every branch see its group's prefix and
+itself, so each branch computes exactly what the padded forward computes for that
+completion, and the prefix is computed once for all the group's branches in the row. (The
+prompt's last token is repeated in each branch, one token per completion, so that every
+branch's first state predicts its first token without a state shared across branches.)
+
+Rows are filled by first-fit decreasing over whole groups: groups in order of size (prefix
+plus branches), each into the first row with room, a new row when none has it. A group
+longer than a row is split into chunks of branches, each behind its own copy of the
+prefix; a single branch longer than a row makes the rows longer (the row length is chosen
+per batch, never refused). The row length Z is the power of two, at least the longest
+branch with its prefix, that minimizes the estimated work (slots, plus attention's share
+that grows with Z, `_cost`); the rows per micro-batch and per data shard come from the
+token budget (`micro_layout`), rounded up to `bucket` values, so the distinct (B, Z)
+shapes a run compiles stay few.
+
+Only integers are planned here, on the host, from the lengths; `gather` builds the packed
+arrays on device from the grouped batch (`gpurl.algorithms.forward` runs the model on them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpurl.kernels.segments import BRANCHES
+
+ROW_MIN = 64  # the shortest row length
+LENGTHS = 4  # row lengths tried per batch: the smallest that fits, x2, x4, x8
+
+
+def bucket(n: int) -> int:
+    """n rounded up to a value with three significant bits (1..8, 10, 12, 14, 16, 20, 24,
+    28, 32, 40, ...): at most 25% more, usually about 10%, and few distinct values."""
+    if n <= 8:
+        return max(n, 1)
+    step = 1 << (int(n).bit_length() - 3)
+    return -(-n // step) * step
+
+
+def micro_layout(rows: int, length: int, budget: int, shards: int) -> tuple[int, int]:
+    """(rows per micro-batch per shard r, micro-batches M) for `rows` packed rows of
+    `length` slots over `shards` batch shards with at most `budget` tokens per micro-batch
+    and shard: M = ceil(rows / (shards x r_max)) for r_max = budget // length (at least
+    1), and r the bucketed share of each micro-batch, at most r_max. `num_micro` recovers
+    M from the shapes."""
+    r_max = max(budget // length, 1)
+    per_shard = -(-max(rows, 1) // shards)
+    m = -(-per_shard // r_max)
+    r = min(bucket(-(-per_shard // m)), r_max)
+    return r, -(-per_shard // r)
+
+
+def num_micro(rows: int, length: int, budget: int, shards: int) -> int:
+    """The micro-batches of a packed batch of `rows` x `length` (`micro_layout`'s M),
+    from its shapes: the train step's static count."""
+    return -(-rows // (shards * max(budget // length, 1)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every token of a grouped batch sits in B packed rows of Z slots (numpy)."""
+
+    source: np.ndarray  # B x Z int32: index into [prompts P*W flat, completions P*G*N flat]; -1 empty
+    positions: np.ndarray  # B x Z int32
+    segments: np.ndarray  # B x Z int32: 0 empty, group x BRANCHES (+ branch)
+    head: np.ndarray  # B x C int32: the slots whose states predict a completion token
+    row: np.ndarray  # P x G int32: each completion's row
+    start: np.ndarray  # P x G int32: the slot of its branch's first state (s_0)
+    head_start: np.ndarray  # P x G int32: the `head` column of s_0
+    num_micro: int  # M: micro-batches (rows q go to micro-batch q % M)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.source.shape
+
+
+def _group_sizes(plen_P: np.ndarray, clen_PxG: np.ndarray) -> np.ndarray:
+    return plen_P - 1 + (clen_PxG + 1).sum(1)
+
+
+def _chunks(plen_P: np.ndarray, clen_PxG: np.ndarray, length: int) -> list[tuple[int, list[int]]]:
+    """(prompt, its completions) items of at most `length` slots: whole groups, and groups
+    too long split into consecutive branches behind their own prefix."""
+    items = []
+    for p in range(len(plen_P)):
+        prefix, branches = int(plen_P[p]) - 1, []
+        used = prefix
+        for g, c in enumerate(clen_PxG[p]):
+            if branches and used + c + 1 > length:
+                items.append((p, branches))
+                branches, used = [], prefix
+            branches.append(g)
+            used += int(c) + 1
+        items.append((p, branches))
+    return items
+
+
+def _first_fit(sizes: np.ndarray, length: int) -> np.ndarray:
+    """First-fit decreasing: the row of each item (sizes <= length), rows opened in order."""
+    order = np.argsort(-sizes, kind="stable")
+    free = np.zeros(len(sizes), np.int64)
+    opened, row_of = 0, np.zeros(len(sizes), np.int64)
+    for i in order:
+        fits = np.flatnonzero(free[:opened] >= sizes[i])
+        r = int(fits[0]) if len(fits) else opened
+        if r == opened:
+            free[opened], opened = length, opened + 1
+        free[r] -= sizes[i]
+        row_of[i] = r
+    return row_of
+
+
+def _cost(slots: int, length: int, attention_cost: float) -> float:
+    return slots * (1.0 + attention_cost * length)
+
+
+def plan(prompt_lengths_P: np.ndarray, completion_lengths_PxG: np.ndarray, width: int,
+         completion_width: int, budget: int, shards: int, attention_cost: float = 0.0,
+         whole_groups: bool = False) -> Plan:
+    """The packed layout of a grouped batch (prompts `width` wide, completions
+    `completion_width`) for `shards` batch shards and `budget` tokens per micro-batch and
+    shard. `attention_cost`: attention's work per slot and unit of row length relative
+    to the rest of a slot's work (about 1 / (12 d_model): Z/2 keys x 4 H E flops against
+    ~24 d_model^2), which the row length's choice weighs. `whole_groups`: rows at least
+    as long as the longest group, so no group is split (a loss over a whole group, such
+    as a preference pair's, then sees all of it in one micro-batch)."""
+    plen_P = np.asarray(prompt_lengths_P, np.int64)
+    clen_PxG = np.asarray(completion_lengths_PxG, np.int64)
+    p, g = clen_PxG.shape
+    longest = int(_group_sizes(plen_P, clen_PxG).max() if whole_groups
+                  else (plen_P[:, None] + clen_PxG).max())
+    best = None
+    for k in range(LENGTHS):
+        length = max(ROW_MIN, 1 << (longest - 1).bit_length()) << k
+        items = _chunks(plen_P, clen_PxG, length)
+        sizes = np.array([plen_P[q] - 1 + sum(int(clen_PxG[q, j]) + 1 for j in b) for q, b in items])
+        row_of = _first_fit(sizes, length)
+        r, m = micro_layout(int(row_of.max()) + 1, length, budget, shards)
+        cost = _cost(shards * r * m * length, length, attention_cost)
+        if best is None or cost < best[0]:
+            best = (cost, length, items, row_of, r, m)
+    _, length, items, row_of, r, m = best
+    rows = shards * r * m
+    # FFD rows (fullest first) dealt round-robin to the shards, and within a shard to
+    # micro-batches (local row l -> micro-batch l % M): tokens spread evenly over both.
+    per_shard = rows // shards
+    slot_of = np.array([(i % shards) * per_shard + i // shards for i in range(rows)])
+    source = np.full((rows, length), -1, np.int32)
+    positions = np.zeros((rows, length), np.int32)
+    segments = np.zeros((rows, length), np.int32)
+    row_PxG = np.zeros((p, g), np.int32)
+    start_PxG = np.zeros((p, g), np.int32)
+    used = np.zeros(rows, np.int64)
+    groups = np.zeros(rows, np.int64)
+    predicting: list[list[int]] = [[] for _ in range(rows)]
+    head_start = np.zeros((p, g), np.int32)
+    comp0 = p * width
+    for (q, branches), ffd_row in sorted(zip(items, row_of), key=lambda x: (x[1], x[0][0])):
+        row = int(slot_of[ffd_row])
+        groups[row] += 1
+        seg = int(groups[row]) * BRANCHES
+        prefix = int(plen_P[q]) - 1
+        at = int(used[row])
+        source[row, at:at + prefix] = q * width + np.arange(prefix)
+        positions[row, at:at + prefix] = np.arange(prefix)
+        segments[row, at:at + prefix] = seg
+        at += prefix
+        for j, c in enumerate(branches, start=1):
+            n = int(clen_PxG[q, c])
+            source[row, at] = q * width + prefix
+            source[row, at + 1:at + 1 + n] = comp0 + (q * g + c) * completion_width + np.arange(n)
+            positions[row, at:at + n + 1] = prefix + np.arange(n + 1)
+            segments[row, at:at + n + 1] = seg + j
+            row_PxG[q, c], start_PxG[q, c] = row, at
+            head_start[q, c] = len(predicting[row])
+            predicting[row].extend(range(at, at + n))
+            at += n + 1
+        used[row] = at
+    quarter = length // 4  # the head's width: a multiple of a quarter row
+    h = -(-max(max(len(x) for x in predicting), 1) // quarter) * quarter
+    head = np.zeros((rows, h), np.int32)
+    for row, cols in enumerate(predicting):
+        head[row, :len(cols)] = cols
+    return Plan(source, positions, segments, head, row_PxG, start_PxG, head_start, m)
+
+
+# ---------------------------------------------------------------- on device
+
+PACKED = ("pack/tokens", "pack/positions", "pack/segments", "pack/head", "pack/targets",
+          "pack/routes")  # row-leading: split over micro-batches
+INDEX = ("pack/row", "pack/start", "pack/head_start")  # P x G: each completion's place
+
+
+def plan_arrays(pl: Plan) -> dict[str, np.ndarray]:
+    """The plan's arrays the device needs (`gather` turns `pack/source` into tokens)."""
+    return {"pack/source": pl.source, "pack/positions": pl.positions,
+            "pack/segments": pl.segments, "pack/head": pl.head, "pack/row": pl.row,
+            "pack/start": pl.start, "pack/head_start": pl.head_start}
+
+
+def gather(batch: dict[str, jax.Array], pad_id: int) -> dict[str, jax.Array]:
+    """The batch with its packed rows: tokens and targets (the next slot's token, which
+    the `pack/head` slots predict) from `pack/source`, and the replayed experts of every
+    completion slot (-1: routed afresh, as the padded forward routes prompts)."""
+    prompt_PxW, comp_PxGxN = batch["prompt_tokens"], batch["completions"]
+    flat = jnp.concatenate([prompt_PxW.reshape(-1), comp_PxGxN.reshape(-1)])
+    src_BxZ = batch["pack/source"]
+    tokens_BxZ = jnp.where(src_BxZ >= 0, flat[jnp.maximum(src_BxZ, 0)], pad_id)
+    next_BxZ = jnp.concatenate([tokens_BxZ[:, 1:], jnp.full_like(tokens_BxZ[:, :1], pad_id)], 1)
+    out = {k: v for k, v in batch.items() if k != "pack/source"}
+    out["pack/tokens"] = tokens_BxZ
+    out["pack/targets"] = jnp.take_along_axis(next_BxZ, batch["pack/head"], axis=1)
+    if "routes" in batch:  # P x G x N x L x k -> B x Z x L x k
+        routes = batch["routes"]
+        flat_routes = routes.reshape(-1, *routes.shape[3:])
+        comp_BxZ = src_BxZ - prompt_PxW.size
+        picked = flat_routes[jnp.clip(comp_BxZ, 0, flat_routes.shape[0] - 1)]
+        out["pack/routes"] = jnp.where((comp_BxZ >= 0)[..., None, None], picked, -1).astype(routes.dtype)
+    return out
+
+
+def is_packed(batch: dict) -> bool:
+    return "pack/tokens" in batch
+
+
+def micro_batches(batch: dict[str, jax.Array], num_micro: int
+                  ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """(the row-leading packed arrays split M x B/M x ..., micro-batch m taking rows m, m+M,
+    ...; everything else, whole) of a packed batch."""
+    split = {k: v.reshape(v.shape[0] // num_micro, num_micro, *v.shape[1:]).swapaxes(0, 1)
+             for k, v in batch.items() if k in PACKED}
+    return split, {k: v for k, v in batch.items() if k not in PACKED}
+
+
+def micro_batch(rows: dict[str, jax.Array], whole: dict[str, jax.Array], m: jax.Array,
+                num_micro: int) -> dict[str, jax.Array]:
+    """Micro-batch m of a packed batch: its rows, each completion's row within them, and
+    the completions of other micro-batches masked out of the loss (`comp_mask` 0; a
+    preference batch's `pair_mask` too: its groups are whole, `plan(whole_groups=True)`)."""
+    out = {**whole, **rows}
+    row_PxG = whole["pack/row"]
+    here_PxG = (row_PxG % num_micro == m).astype(jnp.float32)
+    out["pack/row"] = row_PxG // num_micro
+    out["comp_mask"] = whole["comp_mask"] * here_PxG[..., None]
+    if "pair_mask" in whole:
+        out["pair_mask"] = whole["pair_mask"] * here_PxG[:, 0]
+    return out
