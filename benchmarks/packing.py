@@ -114,7 +114,7 @@ class Layout:
         self.memory = 0.0
         if packed:
             plan = self.stepper._pack(self.batch)
-            self.batch = {**self.batch, **self.stepper._put(packing.plan_arrays(plan))}
+            self.batch = {**self.batch, **packing.put(plan, self.stepper.setup.place.batch)}
             self.static = (plan.num_micro,)
             self.slots = int(np.prod(plan.shape))
             self.shape = f"{plan.shape[0]} rows x {plan.shape[1]}, {plan.num_micro} micro"
@@ -180,7 +180,7 @@ def gpu_costs(args: argparse.Namespace, clen_PxG: np.ndarray) -> None:
                 plen = np.full(len(clen_PxG), PROMPT)
                 plan = packing.plan(plen, clen_PxG, stepper.engine.prompt_width, stepper.engine.width,
                                     stepper.budget, stepper.shards,
-                                    1.0 / (12 * setup.spec.policy.cfg.d_model))
+                                    packing.attention_cost(setup.spec.policy.cfg.d_model))
                 sds = jax.ShapeDtypeStruct
                 collected.update({k: sds(v.shape, np.int32) for k, v in packing.plan_arrays(plan).items()})
                 static = (plan.num_micro,) if plan.num_micro > 1 else ()

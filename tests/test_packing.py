@@ -177,7 +177,7 @@ def _collected(stepper, multi_turn: bool, seed: int = 0) -> tuple[dict, jax.Arra
 def _prepared(stepper, params, collected, rewards, packed: bool):
     if packed:
         plan = stepper._pack(collected)
-        collected = {**collected, **stepper._put(packing.plan_arrays(plan))}
+        collected = {**collected, **packing.put(plan, stepper.setup.place.batch)}
         m = plan.num_micro
     else:
         m = stepper.train.num_micro_batches
@@ -243,7 +243,6 @@ def test_packed_pairs_equal_padded_pairs(name):
     its metrics and the gradients equal the padded batch's, over token-budget
     micro-batches (a pair never split across them)."""
     from gpurl.data.batching import step_indices
-    from gpurl.data.preferences import take_pairs
     from gpurl.train.loop import build
 
     cfg = make_config(
@@ -256,7 +255,7 @@ def test_packed_pairs_equal_padded_pairs(name):
     params = setup.init().params
     indices = step_indices(len(stepper.train), 8, 0, 0)
     padded = stepper._pairs(stepper.train, indices)
-    packed, (m,) = stepper._pack(dict(padded), take_pairs(stepper.train, indices))  # m > 1
+    packed, (m,) = stepper._pack(dict(padded), indices)  # m > 1
     assert m > 1
     if stepper.reference:
         ref = stepper._logps(params, padded)[0]

@@ -86,6 +86,22 @@ class Plan:
         return self.source.shape
 
 
+def row_length(longest: int) -> int:
+    """The shortest row length that holds `longest` slots: a power of two, >= ROW_MIN."""
+    return max(ROW_MIN, 1 << (longest - 1).bit_length())
+
+
+def attention_cost(d_model: int) -> float:
+    """`plan`'s attention_cost of a model of width `d_model`."""
+    return 1.0 / (12 * d_model)
+
+
+def default_budget(micro_groups: int, group: int, width: int, shards: int) -> int:
+    """train.micro_batch_tokens=0: the tokens one padded micro-batch holds per shard
+    (`micro_groups` prompts x `group` completions x `width` = prompt + completion slots)."""
+    return max(micro_groups * group * width // shards, 1)
+
+
 def _group_sizes(plen_P: np.ndarray, clen_PxG: np.ndarray) -> np.ndarray:
     return plen_P - 1 + (clen_PxG + 1).sum(1)
 
@@ -132,8 +148,8 @@ def plan(prompt_lengths_P: np.ndarray, completion_lengths_PxG: np.ndarray, width
     """The packed layout of a grouped batch (prompts `width` wide, completions
     `completion_width`) for `shards` batch shards and `budget` tokens per micro-batch and
     shard. `attention_cost`: attention's work per slot and unit of row length relative
-    to the rest of a slot's work (about 1 / (12 d_model): Z/2 keys x 4 H E flops against
-    ~24 d_model^2), which the row length's choice weighs. `whole_groups`: rows at least
+    to the rest of a slot's work (`attention_cost(d_model)`, 1 / (12 d_model): Z/2 keys x
+    4 H E flops against ~24 d_model^2), which the row length's choice weighs. `whole_groups`: rows at least
     as long as the longest group, so no group is split (a loss over a whole group, such
     as a preference pair's, then sees all of it in one micro-batch)."""
     plen_P = np.asarray(prompt_lengths_P, np.int64)
@@ -143,7 +159,7 @@ def plan(prompt_lengths_P: np.ndarray, completion_lengths_PxG: np.ndarray, width
                   else (plen_P[:, None] + clen_PxG).max())
     best = None
     for k in range(LENGTHS):
-        length = max(ROW_MIN, 1 << (longest - 1).bit_length()) << k
+        length = row_length(longest) << k
         items = _chunks(plen_P, clen_PxG, length)
         sizes = np.array([plen_P[q] - 1 + sum(int(clen_PxG[q, j]) + 1 for j in b) for q, b in items])
         row_of = _first_fit(sizes, length)
@@ -208,6 +224,26 @@ def plan_arrays(pl: Plan) -> dict[str, np.ndarray]:
     return {"pack/source": pl.source, "pack/positions": pl.positions,
             "pack/segments": pl.segments, "pack/head": pl.head, "pack/row": pl.row,
             "pack/start": pl.start, "pack/head_start": pl.head_start}
+
+
+def put(pl: Plan, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
+    """The plan's arrays on device, sharded like the batch: every process planned the
+    whole batch, so each takes its own shards of it."""
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+            for k, v in plan_arrays(pl).items()}
+
+
+def planned_spec(groups: int, group: int, longest: int, budget: int,
+                 shards: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The plan's arrays for the largest micro-batch the token budget allows at the row
+    length of a `longest` group (what the memory plan compiles): `groups` x `group`
+    completions, one micro-batch of budget // length rows per shard."""
+    length = row_length(longest)
+    rows = shards * max(budget // length, 1)
+    sds = jax.ShapeDtypeStruct
+    return {**{k: sds((rows, length), jnp.int32) for k in
+               ("pack/source", "pack/positions", "pack/segments", "pack/head")},
+            **{k: sds((groups, group), jnp.int32) for k in INDEX}}
 
 
 def gather(batch: dict[str, jax.Array], pad_id: int) -> dict[str, jax.Array]:

@@ -82,8 +82,8 @@ class PreferenceStepper(Stepper):
         # in the same row (`gpurl.data.packing`, whole groups), micro-batches by tokens.
         self.shards = batch_divisor(place.mesh, mesh.train_rules)
         width = self.train.prompt_tokens.shape[1] + self.train.completions.shape[2]
-        self.budget = train.micro_batch_tokens or max(
-            train.batch_size // train.num_micro_batches * 2 * width // self.shards, 1)
+        self.budget = train.micro_batch_tokens or packing.default_budget(
+            train.batch_size // train.num_micro_batches, 2, width, self.shards)
         self._gather = jax.jit(functools.partial(packing.gather, pad_id=setup.tokenizer.pad_id),
                                out_shardings=place.batch)
         self._metrics = jit_rows(self._eval_metrics, place,
@@ -104,13 +104,9 @@ class PreferenceStepper(Stepper):
         pairs = take_pairs(self.train, np.arange(1))
         spec = {k: jax.ShapeDtypeStruct((self.train_cfg.batch_size,) + v.shape[1:], v.dtype)
                 for k, v in pairs.items()}
-        if self.train_cfg.packed:  # the largest micro-batch the token budget allows
-            sds, (p, w), n = jax.ShapeDtypeStruct, spec["prompt_tokens"].shape, spec["completions"].shape[2]
-            length = max(packing.ROW_MIN, 1 << (w + 2 * n + 1).bit_length())
-            rows = self.shards * max(self.budget // length, 1)
-            spec.update({k: sds((rows, length), jnp.int32) for k in
-                         ("pack/source", "pack/positions", "pack/segments", "pack/head")})
-            spec.update({k: sds((p, 2), jnp.int32) for k in packing.INDEX})
+        if self.train_cfg.packed:  # a longest pair: w - 1 prompt slots, 2 x (n + 1) branches
+            (p, w), n = spec["prompt_tokens"].shape, spec["completions"].shape[2]
+            spec.update(packing.planned_spec(p, 2, w + 2 * n + 1, self.budget, self.shards))
             spec = jax.eval_shape(self._gather, spec)
         if self.reference:
             spec["ref_logps"] = jax.ShapeDtypeStruct((self.train_cfg.batch_size, 2), jnp.float32)
@@ -156,24 +152,22 @@ class PreferenceStepper(Stepper):
         indices = step_indices(len(self.train), train.batch_size, step, train.seed)
         batch, static = self._pairs(self.train, indices), ()
         if train.packed:
-            batch, static = self._pack(batch, take_pairs(self.train, indices))
+            batch, static = self._pack(batch, indices)
         if self.reference:
             batch["ref_logps"] = self._logps(self._reference(state.params), batch)[0]
         return self.setup.step_fn(state, batch, *static)
 
-    def _pack(self, batch: dict[str, jax.Array], pairs: dict[str, np.ndarray]
-              ) -> tuple[dict[str, jax.Array], tuple[int]]:
-        """The pair batch with its packed rows, planned from the global batch's lengths
-        (every process holds every pair, so every process plans the same)."""
-        plan = packing.plan(pairs["prompt_lengths"], pairs["completion_lengths"],
-                            pairs["prompt_tokens"].shape[1], pairs["completions"].shape[2],
-                            self.budget, self.shards, 1.0 / (12 * self.setup.spec.cfg.d_model),
-                            whole_groups=True)
-        sh = self.setup.place.batch
-        arrays = {k: jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx])
-                  for k, v in packing.plan_arrays(plan).items()}
+    def _pack(self, batch: dict[str, jax.Array], indices: np.ndarray
+              ) -> tuple[dict[str, jax.Array], tuple[int, ...]]:
+        """The pair batch (pairs `indices`) with its packed rows, planned from the global
+        batch's lengths (every process holds every pair, so every process plans the same)."""
+        pairs = self.train
+        plan = packing.plan(pairs.prompt_lengths[indices], pairs.completion_lengths[indices],
+                            pairs.prompt_tokens.shape[1], pairs.completions.shape[2],
+                            self.budget, self.shards,
+                            packing.attention_cost(self.setup.spec.cfg.d_model), whole_groups=True)
         static = (plan.num_micro,) if plan.num_micro > 1 else ()  # 1: as planned
-        return dict(self._gather({**batch, **arrays})), static
+        return dict(self._gather({**batch, **packing.put(plan, self.setup.place.batch)})), static
 
     def evaluate(self, params: Params) -> dict[str, float]:
         figures = self._pair_figures(params)

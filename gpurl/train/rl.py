@@ -111,9 +111,9 @@ class RLStepper(Stepper):
         self._timer: DeviceTimer | None = None
         # Packed rows (train.packed): the plan's row shards and token budget per micro-batch
         self.shards = batch_divisor(place.mesh, mesh.train_rules)
-        self.budget = train.micro_batch_tokens or max(
-            train.batch_size // train.num_micro_batches * algo.num_generations
-            * (self.engine.prompt_width + self.engine.width) // self.shards, 1)
+        self.budget = train.micro_batch_tokens or packing.default_budget(
+            train.batch_size // train.num_micro_batches, algo.num_generations,
+            self.engine.prompt_width + self.engine.width, self.shards)
         self.pad_id = setup.tokenizer.pad_id
         ctx = RLContext(spec, rollout.temperature, self.reward_spec, off_policy=self.overlap)
         self._prepare = jit_rows(functools.partial(self._prepare_fn, ctx), place,
@@ -152,13 +152,8 @@ class RLStepper(Stepper):
         replayed = self.engine.sampler.routes_shape
         if replayed is not None:  # routing replay: the sampler's experts per token
             collected["routes"] = sds((p, g, n, *replayed), jnp.int16)
-        if self.train.packed:  # the largest micro-batch the token budget allows, at the
-            # row length of the longest prompt and completion (`gpurl.data.packing`)
-            length = max(packing.ROW_MIN, 1 << (w + n - 1).bit_length())
-            rows = self.shards * max(self.budget // length, 1)
-            collected.update({k: sds((rows, length), i32) for k in
-                              ("pack/source", "pack/positions", "pack/segments", "pack/head")})
-            collected.update({k: sds((p, g), i32) for k in packing.INDEX})
+        if self.train.packed:  # a longest prompt and completion: w + n slots
+            collected.update(packing.planned_spec(p, g, w + n, self.budget, self.shards))
         return collected
 
     def _prepare_args(self, collected: dict) -> tuple:
@@ -276,7 +271,7 @@ class RLStepper(Stepper):
     def _prepare_fn(self, ctx: RLContext, params: Any, ref_params: Any, rm_params: Any,
                     batch: dict, rewards_B: jax.Array, carry: dict) -> tuple[dict, dict, dict]:
         if "pack/source" in batch:  # the packed rows' tokens, from the plan's indices
-            batch = packing.gather(dict(batch), self.pad_id)
+            batch = packing.gather(batch, self.pad_id)
         if self.base_ref:
             ref_params = lora.disabled(ctx.spec.policy_params(params))
         return self.setup.algorithm.prepare(
@@ -293,7 +288,7 @@ class RLStepper(Stepper):
             # peers' in another order, so the plan's gather of the lengths waits for them.
             jax.block_until_ready([m for m in got.metrics.values() if isinstance(m, jax.Array)])
             plan = self._pack(got.batch)
-            collected = {**got.batch, **self._put(packing.plan_arrays(plan))}
+            collected = {**got.batch, **packing.put(plan, self.setup.place.batch)}
             static = (plan.num_micro,) if plan.num_micro > 1 else ()  # 1: as planned
         batch, prepared, self.carry = self._prepare(state.params, self.ref_params, self.rm_params,
                                                     collected, got.rewards, self.carry)
@@ -316,18 +311,12 @@ class RLStepper(Stepper):
 
     def _pack(self, batch: dict) -> packing.Plan:
         """The packed layout of a collected batch, planned on every process from the
-        batch's lengths (the same plan everywhere)."""
-        p, g, n = batch["completions"].shape
-        d = self.setup.spec.policy.cfg.d_model
-        return packing.plan(to_host(batch["prompt_lengths"]), to_host(batch["completion_lengths"]),
-                            batch["prompt_tokens"].shape[1], n, self.budget, self.shards,
-                            attention_cost=1.0 / (12 * d))
-
-    def _put(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Host arrays every process holds whole, sharded like the batch."""
-        sh = self.setup.place.batch
-        return {k: jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx])
-                for k, v in arrays.items()}
+        batch's lengths (one gather of P x (1 + G) numbers; the same plan everywhere)."""
+        lengths_PxG1 = to_host(jnp.concatenate([batch["prompt_lengths"][:, None],
+                                                batch["completion_lengths"]], axis=1))
+        return packing.plan(lengths_PxG1[:, 0], lengths_PxG1[:, 1:], batch["prompt_tokens"].shape[1],
+                            batch["completions"].shape[2], self.budget, self.shards,
+                            packing.attention_cost(self.setup.spec.policy.cfg.d_model))
 
     def _sync(self, state: TrainState) -> tuple[Any, float]:
         """The policy's parameters in the rollout layout, once the previous update is done
