@@ -60,7 +60,7 @@ for placement in ("split", "colocated"):
     tsh = tree_shardings(spec.abstract_params, spec.logical_axes, mesh_cfg.train_rules, tmesh)
     rsh = tree_shardings(spec.abstract_params, spec.logical_axes, mesh_cfg.sample_rules, rmesh)
     params = jax.jit(lambda: spec.init(0), out_shardings=tsh)()
-    sync = WeightSync(tsh, rsh)
+    sync = WeightSync(tsh, spec.serving_params(rsh))
     jax.block_until_ready(sync(params))
     times = []
     for _ in range({repeats}):

@@ -70,7 +70,7 @@ def run_plan(overrides: list[str], extra: list[str]) -> dict[str, Any]:
     """One `gpurl plan` in this process; `extra`: the device count and memory overrides."""
     cfg = validate(["algo=grpo", "data.num_eval=0", "logger.progress=false", *overrides, *extra])
     t0 = time.perf_counter()
-    _, _, plans = plan_programs(cfg)
+    _, _, plans, _ = plan_programs(cfg)
     out: dict[str, Any] = {"overrides": overrides, "plan_s": round(time.perf_counter() - t0, 2),
                            "fits": all(p.fits for p in plans)}
     for p in plans:

@@ -357,8 +357,9 @@ class MoEConfig:
     # Switch Transformer capacity; dropped copies add nothing, logged as moe/dropped);
     # 0 = never drop (buffers for every copy); sampling never drops
     capacity_factor: float = 0.0
-    # the experts' grouped matmul: auto (ragged on GPU, tiled on CPU), ragged (jax.lax.ragged_dot),
-    # tiled (jnp: tokens sorted by expert in fixed-size tiles, one expert per tile)
+    # the experts' grouped matmul: auto (tiled), tiled (jnp: tokens sorted by expert in
+    # fixed-size tiles, one expert per tile), ragged (jax.lax.ragged_dot, which XLA expands
+    # into a matmul of every token with every expert, on GPU too: E x the flops)
     grouped_matmul: str = "auto"
 
     def __post_init__(self) -> None:
@@ -429,6 +430,12 @@ class ModelConfig:
     # accelerators, none on CPU), none, full (only the layer's input), dots (matmul outputs
     # too), qkv (the q, k, v projections too)
     remat: str = "auto"
+    # how the rollout's programs (prefill, decode) run the layers: auto (unrolled on GPU,
+    # scan on CPU), unrolled (the rollout's copy holds each layer's weights as arrays of
+    # their own, read in place: XLA's GPU programs copy a stacked layer's weights out before
+    # each matmul, 3x a decode step's weight traffic; longer compiles), scan (one layer
+    # compiled, run over the stack)
+    sampling_layers: str = "auto"
     tokenizer: str = "auto"  # auto (the checkpoint's, else bytes), bytes (built-in byte-level), or a tokenizer.json path
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.rank > 0 turns them on)
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts MLPs (model.moe.num_experts > 0 turns them on)
@@ -448,6 +455,7 @@ class ModelConfig:
         _choice("model.attention", self.attention, ("auto", "xla", "cudnn", "pallas"))
         _choice("model.init", self.init, ("auto", "checkpoint", "random"))
         _choice("model.remat", self.remat, ("auto", "none", "full", "dots", "qkv"))
+        _choice("model.sampling_layers", self.sampling_layers, ("auto", "unrolled", "scan"))
         bad = [i for i in self.moe.dense_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ConfigError(f"model.moe.dense_layers names layers {bad} outside 0..{self.num_layers - 1}; "
@@ -584,7 +592,10 @@ class MeshConfig:
     expert: int = 1  # trainer expert-parallel axis: a mixture-of-experts model's experts are split over it (batch rows too)
     placement: str = "colocated"  # colocated (rollout and trainer share devices) or split
     rollout_devices: int = 0  # split placement: devices given to rollout
-    rollout_tp: int = 1  # rollout mesh tensor-parallel axis; its data axis takes the rest
+    # rollout mesh tensor-parallel axis (its data axis takes the rest): a size, or auto: of
+    # the widths the rollout devices and the model's KV heads allow (up to one 8-GPU host),
+    # the narrowest within 10% of the one that leaves the most room for the KV pool
+    rollout_tp: str = "auto"
     # logical axis -> mesh axes, for training; an axis missing here is replicated. The
     # expert axis splits experts (expert parallelism) and, like fsdp, batch rows and the
     # other weights (which mixture-of-experts layers have few of)
@@ -607,12 +618,21 @@ class MeshConfig:
         if [self.data, self.fsdp, self.expert, self.tp].count(-1) > 1:
             raise ConfigError("Only one of mesh.data, mesh.fsdp, mesh.expert, mesh.tp may be -1; "
                               "set the others.")
-        _positive("mesh.rollout_tp", self.rollout_tp)
+        if str(self.rollout_tp) != "auto" and not (str(self.rollout_tp).isdigit()
+                                                   and int(self.rollout_tp) > 0):
+            raise ConfigError(f"mesh.rollout_tp={self.rollout_tp} is not valid; use a positive "
+                              f"size or auto.")
         for key, axes in (("train_rules", {"data", "fsdp", "expert", "tp"}), ("sample_rules", {"data", "tp"})):
             bad = {a for names in getattr(self, key).values() for a in names} - axes
             if bad:
                 raise ConfigError(f"mesh.{key} names unknown mesh axes {sorted(bad)}; "
                                   f"use {', '.join(sorted(axes))}.")
+
+
+    @property
+    def rollout_width(self) -> int | None:
+        """`rollout_tp` as a size; None for auto (the run picks it: `gpurl.distributed.layout`)."""
+        return None if str(self.rollout_tp) == "auto" else int(self.rollout_tp)
 
 
 @dataclass(frozen=True)

@@ -64,9 +64,14 @@ def install() -> Path:
 def gpurl(folder: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """`gpurl *args` in a fresh process that sees the compiler packages; the CUDA runtime's
     complaints about the missing driver are dropped from its stderr."""
+    return python(folder, "-m", "gpurl.cli", *args, timeout=timeout)
+
+
+def python(folder: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python *args` in a fresh process that sees the compiler packages (as `gpurl`)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(folder), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    done = subprocess.run([sys.executable, "-m", "gpurl.cli", *args], capture_output=True,
+    done = subprocess.run([sys.executable, *args], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=ROOT)
     done.stderr = "\n".join(ln for ln in done.stderr.splitlines()
                             if not any(n in ln for n in NOISE))

@@ -47,10 +47,13 @@ def test_grpo_compiles_for_four_h200s_with_cudnn_attention(compiler):
     train, rollout = _table(text, "train step"), _table(text, "rollout")
     # auto on Hopper: cuDNN's flash attention (forward, backward; calls with a KV cache
     # fall back to the Pallas kernels); the rollout's prefill on cuDNN, its paged decode
-    # on the Pallas kernel
+    # on the Pallas kernel, once per layer (the rollout runs its 2 layers unrolled on GPU)
     assert "GPU kernels: cuDNN flash attention x" in train
     kernels = rollout.split("GPU kernels: ")[1].splitlines()[0]
-    assert "cuDNN flash attention x1" in kernels and "Pallas (Triton) x1" in kernels
+    assert "cuDNN flash attention x2" in kernels and "Pallas (Triton) x2" in kernels
+    # the compiler's account of each program, and the decode loop's weights in bf16
+    assert "compiler's account, rollout decode chunk per decode step" in rollout
+    assert "weights read in float32: none; weights converted inside the decode loop: none" in rollout
     # 143,771 MiB x JAX's default 0.75
     assert "device memory             105.301  -> fits" in train
     assert "(device memory: NVIDIA H200, 140.4 GiB x 0.75 (XLA_PYTHON_CLIENT_MEM_FRACTION))" in train

@@ -11,7 +11,8 @@ import jax
 
 from gpurl.config import ConfigError, EvalConfig
 from gpurl.data.sources import default_rewards, load_prompts
-from gpurl.distributed import runtime
+from gpurl.distributed import layout, runtime
+from gpurl.distributed.mesh import job_devices
 from gpurl.models import loading, model_spec
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.rounds import RolloutEngine
@@ -37,15 +38,16 @@ def evaluate(cfg: EvalConfig) -> dict[str, float]:
     prompts, skipped = encode_prompts(eval_rows, tokenizer, cfg.data.chat_template,
                                       cfg.data.max_len, "eval")
     rewards = load_rewards(cfg.rewards, [] if cfg.env.on else default_rewards(cfg.data))
-    engine = RolloutEngine(spec, tokenizer, cfg.rollout, cfg.mesh, rewards,
+    mesh = layout.for_sampling(cfg.mesh, spec, job_devices())
+    engine = RolloutEngine(spec, tokenizer, cfg.rollout, mesh, rewards,
                            bucket(max(len(t) for t in prompts.tokens), MIN_PROMPT_BUCKET),
                            env=cfg.env)
     if params is None:
-        params = loading.load_params(model_cfg, spec, engine.sampler.param_shardings)
+        params = loading.load_params(model_cfg, spec, engine.sampler.stacked_shardings)
     if params is None:
         print(f"[gpurl] {model_cfg.name} has no checkpoint: evaluating random weights.", flush=True)
         params = jax.jit(lambda: spec.init(cfg.seed),
-                         out_shardings=engine.sampler.param_shardings)()
+                         out_shardings=engine.sampler.stacked_shardings)()
     figures = engine.evaluate(engine.sampler.place(params), prompts, cfg.pass_k, cfg.batch_size, cfg.seed)
     if runtime.is_main_process():
         print(f"[gpurl] eval of {source} on {len(prompts)} held-out {cfg.data.name} prompts "

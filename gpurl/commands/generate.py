@@ -12,8 +12,8 @@ import jax
 import numpy as np
 
 from gpurl.config import ConfigError, GenerateConfig, ModelConfig
-from gpurl.distributed import runtime
-from gpurl.distributed.mesh import rollout_mesh
+from gpurl.distributed import layout, runtime
+from gpurl.distributed.mesh import job_devices, rollout_mesh
 from gpurl.models import Params, loading, model_spec
 from gpurl.models.tokenizer import Tokenizer
 from gpurl.data.sources import load_prompts, read_jsonl
@@ -66,9 +66,9 @@ def _model(cfg: GenerateConfig, sampler_for) -> tuple[ModelConfig, Engine, Param
         return model_cfg, sampler_for(model_cfg), params
     model_cfg = loading.resolve(cfg.model)
     sampler = sampler_for(model_cfg)
-    params = loading.load_params(model_cfg, sampler.spec, sampler.param_shardings)
+    params = loading.load_params(model_cfg, sampler.spec, sampler.stacked_shardings)
     if params is None:
-        params = jax.jit(lambda: sampler.spec.init(cfg.seed), out_shardings=sampler.param_shardings)()
+        params = jax.jit(lambda: sampler.spec.init(cfg.seed), out_shardings=sampler.stacked_shardings)()
     return model_cfg, sampler, params
 
 
@@ -78,7 +78,9 @@ def generate(cfg: GenerateConfig) -> dict[int, tuple[str, int, float]]:
 
     def sampler_for(model_cfg: ModelConfig) -> Engine:
         tokenizers["t"] = loading.load_tokenizer(model_cfg)
-        return Engine(model_spec(model_cfg), cfg.rollout, rollout_mesh(cfg.mesh),
+        spec = model_spec(model_cfg)
+        mesh = layout.for_sampling(cfg.mesh, spec, job_devices())
+        return Engine(spec, cfg.rollout, rollout_mesh(mesh),
                       cfg.mesh.sample_rules, pad_id=tokenizers["t"].pad_id,
                       stop_ids=stop_token_ids(tokenizers["t"], _stops(cfg)))
 

@@ -26,6 +26,7 @@ from gpurl.distributed import runtime, targets
 from gpurl.kernels import platform
 from gpurl.models.loading import PACKAGED
 from gpurl.models.transformer import remat_policy
+from gpurl.train import efficiency
 from gpurl.train.loop import build
 from gpurl.train.plan import GIB, ProgramPlan, memory_plan
 from gpurl.train.stepper import Setup
@@ -87,13 +88,17 @@ def compiled_for(cfg: Config) -> Iterator[None]:
         yield
 
 
-def plan_programs(cfg: Config) -> tuple[Config, Setup, list[ProgramPlan]]:
-    """(the resolved config, what the run builds, the plan of each of its programs)."""
+def plan_programs(cfg: Config) -> tuple[Config, Setup, list[ProgramPlan], str]:
+    """(the resolved config, what the run builds, the plan of each of its programs, the
+    GPU compiler's bound on an RL step: plan.target only)."""
     with compiled_for(cfg):
         cfg, setup, stepper = build(planned_config(cfg))
         if cfg.plan.prompt_len:
             stepper.plan_prompt_len(cfg.plan.prompt_len)
-        return cfg, setup, memory_plan(cfg, setup, stepper)
+        plans = memory_plan(cfg, setup, stepper)
+        bound = (efficiency.accounts(cfg, setup, stepper, plans, targets.gpu(cfg.plan.target))
+                 if cfg.plan.target else "")
+        return cfg, setup, plans, bound
 
 
 def plan(cfg: Config) -> list[ProgramPlan]:
@@ -101,7 +106,7 @@ def plan(cfg: Config) -> list[ProgramPlan]:
     start_backend(cfg.plan)
     runtime.initialize(cfg.distributed)
     t0 = time.perf_counter()
-    cfg, setup, plans = plan_programs(cfg)
+    cfg, setup, plans, bound = plan_programs(cfg)
     total_s = time.perf_counter() - t0
     if runtime.is_main_process():
         devices = setup.place.mesh.devices
@@ -113,6 +118,8 @@ def plan(cfg: Config) -> list[ProgramPlan]:
               f"{remat_policy(cfg.model)}; {total_s:.1f} s in all", flush=True)
         for p in plans:
             print(p.table(), flush=True)
+        if bound:
+            print(f"[gpurl] plan: {bound}", flush=True)
         worst = max(plans, key=lambda p: p.total / p.limit)
         print(f"[gpurl] plan: {'fits' if all(p.fits for p in plans) else 'does NOT fit'} "
               f"(largest program: {worst.name}, {worst.total / GIB:.2f} of "

@@ -61,13 +61,15 @@ def trainer_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
 
 
 def rollout_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """(data, tp) mesh for generation: `mesh.rollout_tp` devices per model replica."""
+    """(data, tp) mesh for generation: `mesh.rollout_tp` devices per model replica (auto,
+    unresolved: 1; a run resolves it for its model, `gpurl.distributed.layout`)."""
     devices = job_devices() if devices is None else list(devices)
-    if len(devices) % cfg.rollout_tp:
+    tp = cfg.rollout_width or 1
+    if len(devices) % tp:
         raise ConfigError(
-            f"mesh.rollout_tp={cfg.rollout_tp} does not divide the {len(devices)} rollout "
+            f"mesh.rollout_tp={tp} does not divide the {len(devices)} rollout "
             f"devices; choose a divisor of {len(devices)}.")
-    return Mesh(np.asarray(devices).reshape(-1, cfg.rollout_tp), ("data", "tp"))
+    return Mesh(np.asarray(devices).reshape(-1, tp), ("data", "tp"))
 
 
 def placement_devices(cfg: MeshConfig) -> tuple[list[jax.Device], list[jax.Device]]:

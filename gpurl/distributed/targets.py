@@ -47,6 +47,7 @@ class Gpu:
     l2_bytes: int
     smem_per_sm: int  # shared memory per SM, bytes
     smem_per_block_optin: int  # shared memory one block may opt in to, bytes
+    bf16_flops: float = 0.0  # dense bf16 (fp16 before Ampere) tensor-core peak, flop/s
 
     def target_config(self) -> str:
         """The text `GpuTargetConfigProto` XLA compiles for (a CUDA device query's figures;
@@ -73,20 +74,23 @@ class Gpu:
 
 # Device-query figures: OpenXLA's xla/tools/hlo_opt/gpu_specs (a100_sxm_80, h100_sxm,
 # v100); the H200 is the H100's GH100 with 141 GB of HBM3e at 4.8 TB/s (NVIDIA's H200
-# datasheet) and reports 143,771 MiB.
+# datasheet) and reports 143,771 MiB. Dense tensor-core peaks (no sparsity), from NVIDIA's
+# datasheets: H100 / H200 SXM 989.4 TFLOPS bf16, A100 SXM 312, V100 SXM2 125 (fp16).
 _HOPPER = dict(capability=(9, 0), sms=132, fp32_per_sm=128, clock_ghz=1.98, l2_bytes=50 * 2**20,
                smem_per_sm=233_472, smem_per_block_optin=232_448)
 GPUS: dict[str, Gpu] = {
     "h100": Gpu("NVIDIA H100 80GB HBM3", memory_bytes=84_978_434_048,
-                bandwidth=3_352_320_000_000, **_HOPPER),
+                bandwidth=3_352_320_000_000, bf16_flops=989.4e12, **_HOPPER),
     "h200": Gpu("NVIDIA H200", memory_bytes=143_771 * 2**20, bandwidth=4_800_000_000_000,
-                **_HOPPER),
+                bf16_flops=989.4e12, **_HOPPER),
     "a100": Gpu("NVIDIA A100-SXM4-80GB", capability=(8, 0), sms=108, fp32_per_sm=64,
                 clock_ghz=1.41, memory_bytes=85_100_068_864, bandwidth=2_039_040_000_000,
-                l2_bytes=40 * 2**20, smem_per_sm=167_936, smem_per_block_optin=166_912),
+                l2_bytes=40 * 2**20, smem_per_sm=167_936, smem_per_block_optin=166_912,
+                bf16_flops=312e12),
     "v100": Gpu("Tesla V100-SXM2-16GB", capability=(7, 0), sms=80, fp32_per_sm=64,
                 clock_ghz=1.53, memory_bytes=16_935_419_904, bandwidth=898_048_000_000,
-                l2_bytes=6 * 2**20, smem_per_sm=98_304, smem_per_block_optin=98_304),
+                l2_bytes=6 * 2**20, smem_per_sm=98_304, smem_per_block_optin=98_304,
+                bf16_flops=125e12),
 }
 
 

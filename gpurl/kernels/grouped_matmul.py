@@ -6,9 +6,13 @@ times its expert's weight, `jax.lax.ragged_dot`'s contract.
 
 Two implementations:
 
-- `ragged`: `jax.lax.ragged_dot`, which XLA lowers to a grouped GEMM on GPU. On CPU
-  XLA expands it to G dense matmuls over all rows with masks (measured: 36x one dense
-  matmul's time for 16 groups), so it is not used there by default.
+- `ragged`: `jax.lax.ragged_dot`. On CPU XLA expands it to G dense matmuls over all rows
+  with masks (measured: 36x one dense matmul's time for 16 groups), so it is not used
+  there by default. XLA's GPU compiler (jax 0.10.2) expands it the same way, E x the
+  useful flops, yet by the compiler's account (`gpurl plan plan.target=h100`,
+  docs/scaling.md) it is still the faster of the two on GPU: `qwen3_30b_a3b` (128
+  experts) decodes in 8.0 ms per step at the roofline (bandwidth-bound: the weights once)
+  against the tiled version's 28.6 ms, which reads an expert's weights once per tile.
 - `tiled` (the jnp reference, default on CPU): the rows are laid out in tiles of `tile`
   rows, each group padded to whole tiles so that every tile belongs to one group; a
   `lax.map` over the tiles multiplies each by its group's weight. Work is

@@ -45,6 +45,15 @@ def backend() -> str:
     return current.backend if current else jax.default_backend()
 
 
+def sampling_compiler_options() -> dict[str, int]:
+    """XLA options of the rollout's programs (prefill, decode) on GPU: no dot merging. XLA's
+    GPU compiler merges matmuls that share an input (q, k and v; gate and up) into one
+    whose weight is their concatenation, so every decode step copies those weights out of
+    their stacks before reading them: 3x a decode step's weight traffic, which bounds it
+    (`gpurl.distributed.account` counts it)."""
+    return {"xla_gpu_dot_merger_threshold_mb": 0} if backend() == "gpu" else {}
+
+
 def cudnn_attention_supported() -> bool:
     """Whether the GPU programs are traced for runs JAX's cuDNN flash attention (compute
     capability 8.0 or newer): the targeted one's declared capability, else the local GPU's."""

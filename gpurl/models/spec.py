@@ -16,10 +16,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gpurl.config import ModelConfig
-from gpurl.models.transformer import KVCache, PromptKV, Transformer
+from gpurl.models.transformer import (FLOAT32_READS, STACKS, KVCache, Layers, PromptKV,
+                                      Transformer, compute_dtype, unrolled_sampling)
 
 Params = dict[str, Any]
 # (model config, language-model spec, shardings) -> the checkpoint's parameters placed on
@@ -43,19 +46,51 @@ class ModelSpec:
     def hidden(self, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                segments_BxT: jax.Array, cache: KVCache | PromptKV | None = None,
                routes: jax.Array | None = None):
-        """Final-norm hidden states and the cache (`Transformer.hidden`)."""
-        return nnx.merge(self.graphdef, params).hidden(tokens_BxT, positions_BxT, segments_BxT,
-                                                       cache, routes)
+        """Final-norm hidden states and the cache (`Transformer.hidden`); `params` stacked
+        or a rollout's copy (`serving_params`)."""
+        model, layers = self._merge(params)
+        return model.hidden(tokens_BxT, positions_BxT, segments_BxT, cache, routes, layers)
 
     def prompt_kv(self, params: Params, tokens_PxW: jax.Array, positions_PxW: jax.Array,
                   segments_PxW: jax.Array, group: int) -> tuple[jax.Array, PromptKV]:
         """(final-norm hidden states of P prompts, their keys and values for `group`
         completions each to attend to with `hidden`)."""
-        return nnx.merge(self.graphdef, params).prompt_kv(tokens_PxW, positions_PxW,
-                                                          segments_PxW, group)
+        model, layers = self._merge(params)
+        return model.prompt_kv(tokens_PxW, positions_PxW, segments_PxW, group, layers)
 
     def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
-        return nnx.merge(self.graphdef, params).logits(hidden)
+        return self._merge(params)[0].logits(hidden)
+
+    def _merge(self, params: Params) -> tuple[Transformer, Layers | None]:
+        """The model merged with `params`, and each stack layer by layer when `params`
+        holds its layers apart (a rollout's copy): the module then holds one layer's arrays
+        in their place, never read."""
+        split = [k for k in STACKS if k in params and _is_split(params[k])]
+        if not split:
+            return nnx.merge(self.graphdef, params), None
+        layers = {k: [jax.tree.map(lambda t, j=j: t[j], params[k], is_leaf=_is_layers)
+                      for j in range(len(jax.tree.leaves(params[k], is_leaf=_is_layers)[0]))]
+                  for k in split}
+        stand_in = {**params, **{k: layers[k][0] for k in split}}
+        return nnx.merge(self.graphdef, stand_in), layers
+
+    def serving_params(self, shardings: Params) -> Params:
+        """A rollout's copy of the parameters, abstract, from their layout there
+        (`shardings`, stacked like `abstract_params`): in the compute dtype (what every
+        forward casts them to) except the few read in float32 (norm scales, the MoE router:
+        `FLOAT32_READS`), and with `model.sampling_layers` unrolled each stacked leaf a
+        tuple of one array per layer."""
+        dt, unroll = compute_dtype(self.cfg), unrolled_sampling(self.cfg)
+
+        def serving(path: tuple, x: jax.ShapeDtypeStruct, s: NamedSharding) -> Any:
+            keep = path[-1].key in FLOAT32_READS or not jnp.issubdtype(x.dtype, jnp.floating)
+            dtype = x.dtype if keep else dt
+            if unroll and path[0].key in STACKS:
+                one = NamedSharding(s.mesh, P(*tuple(s.spec)[1:]))
+                return tuple(jax.ShapeDtypeStruct(x.shape[1:], dtype, sharding=one)
+                             for _ in range(x.shape[0]))
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=s)
+        return jax.tree_util.tree_map_with_path(serving, self.abstract_params, shardings)
 
     def init(self, seed: int) -> Params:
         """Random parameters (call under jit with out_shardings to create them sharded)."""
@@ -72,6 +107,27 @@ class ModelSpec:
     def initial(self, shardings: Params, load_lm: LoadLM) -> Params | None:
         """The checkpoint's parameters on their shards; None for a random init."""
         return load_lm(self.cfg, self, shardings)
+
+
+def _is_layers(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+def _is_split(tree: Any) -> bool:
+    """Whether a stack's leaves are tuples of per-layer arrays (a rollout's copy)."""
+    return any(_is_layers(x) for x in jax.tree.leaves(tree, is_leaf=_is_layers))
+
+
+def serve(params: Params, serving: Params) -> Params:
+    """`params` (stacked, stored dtypes; or already a rollout's copy) as the rollout's
+    copy `serving` (abstract: `ModelSpec.serving_params`) describes it: cast, and split
+    into layers where it holds them apart; computed where `params` lie (placing them is
+    the caller's)."""
+    def one(x: jax.Array, a: Any) -> Any:
+        if isinstance(a, tuple):
+            return tuple(x[j].astype(s.dtype) for j, s in enumerate(a))
+        return x if x.dtype == a.dtype else x.astype(a.dtype)
+    return jax.tree.map(one, params, serving)
 
 
 def _nest(flat: list[tuple[tuple, Any]]) -> Params:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -38,6 +38,12 @@ from gpurl.models.moe import MoE
 
 def _on_cpu() -> bool:
     return platform.backend() == "cpu"
+
+
+# Parameters every forward reads in float32 whatever the compute dtype (norm scales:
+# `RMSNorm`; the MoE router: `gpurl.models.moe`), by their last key: a rollout's copy in
+# the compute dtype (`ModelSpec.serving_params`) keeps them as stored.
+FLOAT32_READS = ("scale", "router")
 
 
 def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
@@ -128,6 +134,15 @@ def remat_policy(cfg: ModelConfig) -> str:
     if cfg.remat == "auto":
         return "none" if _on_cpu() else "full"
     return cfg.remat
+
+
+def unrolled_sampling(cfg: ModelConfig) -> bool:
+    """`model.sampling_layers`; auto: unrolled on accelerators (XLA's GPU compiler copies
+    a scanned layer's weights out of the stack before each matmul, which in a decode step,
+    bound by reading the weights, triples their traffic), a scan on CPU (faster compiles)."""
+    if cfg.sampling_layers == "auto":
+        return not _on_cpu()
+    return cfg.sampling_layers == "unrolled"
 
 
 def layer_kinds(cfg: ModelConfig) -> tuple[tuple[bool, ...], tuple[int, ...]]:
@@ -264,6 +279,9 @@ class Block(nnx.Module):
         return x_BxTxD, cache, kv, routing
 
 
+STACKS = ("blocks", "dense_blocks")  # the modules holding layers stacked (`layer_stacks`)
+
+
 def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
     """(stack, index in the stack) of each layer. One stack, `blocks`, unless a
     mixture-of-experts model has dense layers too: those are `dense_blocks` (their MLP has
@@ -298,6 +316,22 @@ def stack_layers(blocks: list[Block]) -> Block:
     return stacked
 
 
+# A stack's parameters layer by layer: stack name -> one parameter tree per layer.
+Layers = dict[str, list[Any]]
+
+
+def _unrolled(layer: Callable, carry: Any, xs: tuple, states: list[Any]) -> tuple[Any, Any]:
+    """`jax.lax.scan(layer, carry, xs)` unrolled, each layer's parameters its own arrays
+    (`states`) instead of a slice of the stack in `xs[0]`: XLA's GPU compiler copies a
+    slice of a stacked weight out before a matmul reads it, which in a decode step,
+    bound by reading the weights, doubles their traffic."""
+    outs = []
+    for j, state in enumerate(states):
+        carry, out = layer(carry, (state,) + jax.tree.map(lambda x, j=j: x[j], xs[1:]))
+        outs.append(out)
+    return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outs)
+
+
 class Transformer(nnx.Module):
     """tokens, positions, segment ids (0 = padding) -> next-token logits B x T x V."""
 
@@ -329,27 +363,33 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
                cache: KVCache | PromptKV | SharedPrefix | None = None,
-               routes: jax.Array | None = None) -> tuple[jax.Array, Any]:
+               routes: jax.Array | None = None, layers: Layers | None = None
+               ) -> tuple[jax.Array, Any]:
         """Final-norm hidden states of the T tokens. With a `KVCache` (sampling) they are
         appended to it; with a `PromptKV` (a training forward) they attend to its prompts;
         with `SHARED_PREFIX` they are packed rows whose segments have shared prefixes
         (`gpurl.kernels.segments`).
         `routes`: experts the sampler chose for these tokens (routing replay;
-        -1 routes a token afresh)."""
+        -1 routes a token afresh). `layers`: each stack's parameters layer by layer (a
+        rollout's copy, `gpurl.models.spec.ModelSpec.serving_params`), run unrolled in
+        place of the module's stacks."""
         x_BxTxD, cache, _ = self._layers(tokens_BxT, positions_BxT, segments_BxT, cache, False,
-                                         routes)
+                                         routes, layers)
         return x_BxTxD, cache
 
     def prompt_kv(self, tokens_PxW: jax.Array, positions_PxW: jax.Array,
-                  segments_PxW: jax.Array, group: int) -> tuple[jax.Array, PromptKV]:
+                  segments_PxW: jax.Array, group: int, layers: Layers | None = None
+                  ) -> tuple[jax.Array, PromptKV]:
         """(final-norm hidden states of P prompts, every layer's keys and values of them)
         for `group` completions per prompt to attend to (`hidden` with the PromptKV)."""
-        x_PxWxD, _, (k, v) = self._layers(tokens_PxW, positions_PxW, segments_PxW, None, True)
+        x_PxWxD, _, (k, v) = self._layers(tokens_PxW, positions_PxW, segments_PxW, None, True,
+                                          None, layers)
         return x_PxWxD, PromptKV(k, v, positions_PxW, segments_PxW, group)
 
     def _layers(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
                 cache: KVCache | PromptKV | None, keep_kv: bool,
-                routes: jax.Array | None = None) -> tuple[jax.Array, Any, Any]:
+                routes: jax.Array | None = None, layers: Layers | None = None
+                ) -> tuple[jax.Array, Any, Any]:
         """The embedding and one `lax.scan` per run of layers of one stack (`layer_runs`;
         one scan unless a mixture-of-experts model mixes dense layers in): (final-norm
         hidden states, the carried KVCache, with `keep_kv` every layer's keys and values).
@@ -380,10 +420,14 @@ class Transformer(nnx.Module):
                 replayed = routes[first:first + count]
             xs = (stacked, kinds[run], jnp.arange(layer0, layer0 + count, dtype=jnp.int32),
                   None if prompt is None else (prompt.k[run], prompt.v[run]), replayed)
-            (x_BxTxD, cache), (kv, routing) = jax.lax.scan(
-                self._layer_fn(graphdef, positions_BxT, segments_BxT, prompt, carried, keep_kv,
-                               shared),
-                (x_BxTxD, cache if carried else None), xs)
+            fn = self._layer_fn(graphdef, positions_BxT, segments_BxT, prompt, carried, keep_kv,
+                                shared)
+            carry = (x_BxTxD, cache if carried else None)
+            if layers is None:
+                carry, (kv, routing) = jax.lax.scan(fn, carry, xs)
+            else:  # unrolled over separate arrays: each matmul reads its weights in place
+                carry, (kv, routing) = _unrolled(fn, carry, xs, layers[name][first:first + count])
+            x_BxTxD, cache = carry
             kv_parts.append(kv)
             if routing is not None:
                 stats_parts.append(routing)

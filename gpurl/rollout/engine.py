@@ -52,12 +52,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.config import ConfigError, RolloutConfig
+from gpurl.data import packing
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import Rules, replicated, tree_shardings
 from gpurl.models import moe
 from gpurl.kernels.attention import resolve as resolve_attention
+from gpurl.kernels.platform import sampling_compiler_options
 from gpurl.models.layers import sharded_rows
-from gpurl.models.spec import ModelSpec, Params
+from gpurl.models.spec import ModelSpec, Params, serve
 from gpurl.models.transformer import PagedKV, compute_dtype
 from gpurl.rollout.decode import local_rows
 from gpurl.rollout.sampling import sample_rows
@@ -172,7 +174,12 @@ class Generator:
     def __init__(self, spec: ModelSpec, cfg: RolloutConfig, mesh: Mesh, rules: Rules, *,
                  stop_ids: Sequence[int], pad_id: int):
         self.spec, self.cfg, self.mesh = spec, cfg, mesh
-        self.param_shardings = tree_shardings(spec.abstract_params, spec.logical_axes, rules, mesh)
+        # `stacked_shardings`: the stored parameters laid out for sampling (to load them);
+        # `abstract_params`: the parameters as the programs read them, in the compute
+        # dtype, unrolled layers apart (`ModelSpec.serving_params`)
+        self.stacked_shardings = tree_shardings(spec.abstract_params, spec.logical_axes, rules, mesh)
+        self.abstract_params = spec.serving_params(self.stacked_shardings)
+        self.param_shardings = jax.tree.map(lambda a: a.sharding, self.abstract_params)
         self.rows = NamedSharding(mesh, P("data"))
         self.rules = rules
         self.stop_ids = tuple(sorted(set(stop_ids)))
@@ -193,8 +200,10 @@ class Generator:
         return inside
 
     def place(self, params: Params) -> Params:
-        """Parameters in the sampling layout (a no-op when they already are)."""
-        return jax.device_put(params, self.param_shardings)
+        """Parameters in the sampling layout and dtypes (a no-op when they already are):
+        cast where they lie, then laid out, so no full-precision copy reaches the rollout
+        mesh and no program converts a weight while it decodes."""
+        return jax.device_put(serve(params, self.abstract_params), self.param_shardings)
 
 
 class Engine(Generator):
@@ -219,9 +228,11 @@ class Engine(Generator):
         self.routes_shape = ((sum(experts.is_sparse(i) for i in range(m.num_layers)),
                               experts.experts_per_token)
                              if experts.num_experts and experts.replay_routing else None)
+        options = sampling_compiler_options()
         self._prefill = jax.jit(self.traced(self._prefill_fn), static_argnums=(0,),
-                                donate_argnums=(2, 3))
-        self._chunk = jax.jit(self.traced(self._chunk_fn), static_argnums=(0,), donate_argnums=(2, 3))
+                                donate_argnums=(2, 3), compiler_options=options)
+        self._chunk = jax.jit(self.traced(self._chunk_fn), static_argnums=(0,),
+                              donate_argnums=(2, 3), compiler_options=options)
         self._compiled: dict[tuple, object] = {}  # ahead-of-time programs (the memory plan's)
         self.stats: dict[str, float] = {}
 
@@ -324,15 +335,20 @@ class Engine(Generator):
             (self.shards, layers, self._pool_blocks(live * blocks), self.block, kv, e),
             compute_dtype(self.spec.cfg), sharding=self.pool_sharding)
 
+    def round_rows(self, rows: int, group: int) -> tuple[int, int, int]:
+        """Rows per data shard of a round of `rows` requests per process (runs of `group`
+        identical prompts) at its largest: (distinct prompts a prefill computes, rows it
+        admits, rows a decode chunk steps)."""
+        live = min(-(-rows // self.local_shards), self.cfg.slots)
+        return bucket(-(-live // group), MIN_ROWS), bucket(live, MIN_ROWS), bucket(live)
+
     def round_programs(self, rows: int, width: int, group: int) -> list[tuple[str, Any, tuple]]:
         """(name, jitted function, abstract arguments) of the prefill and the decode chunk
         of such a round at their largest shapes (`compile_round` compiles them; the CUDA
         lowering tests lower them)."""
-        live = min(-(-rows // self.local_shards), self.cfg.slots)
         blocks = -(-(width + self.cfg.max_new_tokens) // self.block)
         pool = self._round_pool(rows, width)
-        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              self.spec.abstract_params, self.param_shardings)
+        params = self.abstract_params
         stops = jax.ShapeDtypeStruct((1, self.spec.cfg.vocab_size), jnp.bool_,
                                      sharding=replicated(self.mesh))
         rows_of = lambda count, *shape, dt=jnp.int32: jax.ShapeDtypeStruct(  # noqa: E731
@@ -344,11 +360,10 @@ class Engine(Generator):
             return (rows_of(count, dt=jnp.uint32), rows_of(count), rows_of(count, dt=jnp.float32),
                     rows_of(count), rows_of(count, dt=jnp.float32), rows_of(count))
 
-        p, a = bucket(-(-live // group), MIN_ROWS), bucket(live, MIN_ROWS)
+        p, a, c = self.round_rows(rows, group)
         w = bucket(width, MIN_PROMPT_BUCKET)
         prefill_args = (params, pool, pool, rows_of(p, w), rows_of(p), rows_of(a, w), rows_of(a),
                         *settings(a), stops)
-        c = bucket(live)
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         chunk_args = (params, pool, pool, rows_of(c, bucket(blocks)), *(rows_of(c) for _ in range(3)),
                       rows_of(c, dt=jnp.bool_), *settings(c), stops, scalar, scalar, scalar)
@@ -375,10 +390,12 @@ class Engine(Generator):
 
     def _pool_blocks(self, need: int) -> int:
         """Pool blocks for `need` blocks of requests: capped by rollout.kv_cache_tokens,
-        plus block 0 (idle rows' writes), rounded up to a power of two."""
+        plus block 0 (idle rows' writes), rounded up to three significant bits (at most
+        25% over: few pool shapes to compile, where a power of two could double the
+        largest allocation of a rollout)."""
         if self.cfg.kv_cache_tokens:
             need = min(need, -(-self.cfg.kv_cache_tokens // self.block))
-        return bucket(need + 1)
+        return packing.bucket(need + 1)
 
     def _ensure_pool(self, lives: Sequence[_Live], min_width: int) -> int:
         """Blocks per shard for these requests at their limits (the `slots` largest of a

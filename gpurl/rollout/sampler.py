@@ -127,8 +127,7 @@ class Sampler(Generator):
         abstract arrays; `generate` runs it for that shape."""
         static = self._static(None, None, group)
         fn = self._fns.get(static) or self._fns.setdefault(static, self._compile(static))
-        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              self.spec.abstract_params, self.param_shardings)
+        params = self.abstract_params
         args = [jax.ShapeDtypeStruct(shape, dt, sharding=self.rows) for shape, dt in
                 (((rows, width), jnp.int32), ((rows,), jnp.int32), ((rows,), jnp.uint32))]
         compiled = fn.lower(params, *args).compile()

@@ -74,12 +74,20 @@ def inverse_cdf_sample(keys_B: jax.Array, logits_BxV: jax.Array) -> jax.Array:
     numbers per row: with a 262k vocabulary those dominate a CPU decode step. The CDF is
     inverted in two levels, over chunk sums and then inside the chosen chunk, so no B x V
     prefix sum is built (XLA's CPU cumsum over 262k entries took ~1.5 ms per row)."""
-    b, v = logits_BxV.shape
     logits_BxV = logits_BxV.astype(jnp.float32)
+    return _cdf_sample(keys_B, logits_BxV, jnp.max(logits_BxV, axis=-1))[0]
+
+
+def _cdf_sample(keys_B: jax.Array, logits_BxV: jax.Array, max_B: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """(`inverse_cdf_sample`'s draws, each row's sum of exp(logits - max_B)) from the rows'
+    maxima `max_B`: the sum is softmax's normalizer, so a caller that needs the drawn
+    token's log-probability under the same logits reads the vocabulary no further."""
+    b, v = logits_BxV.shape
     c = min(CDF_CHUNK, v)
     j = -(-v // c)
     padded_BxV = jnp.pad(logits_BxV, ((0, 0), (0, j * c - v)), constant_values=NEG_INF)
-    max_Bx1 = jnp.max(logits_BxV, axis=-1, keepdims=True)
+    max_Bx1 = max_B[:, None]
     weights_BxJxC = jnp.exp(padded_BxV - max_Bx1).reshape(b, j, c)  # 0 outside the allowed set
     prefix_BxJ = jnp.cumsum(jnp.sum(weights_BxJxC, axis=-1), axis=-1)
     u_B = jax.vmap(jax.random.uniform)(keys_B)
@@ -95,7 +103,7 @@ def inverse_cdf_sample(keys_B: jax.Array, logits_BxV: jax.Array) -> jax.Array:
     # leaves the chunk's sum short of it falls back to the chunk's last allowed token.
     hit_B = jnp.min(jnp.where((cum_BxC >= target_B[:, None]) & (inside_BxC > 0), index_C, c), -1)
     last_B = jnp.max(jnp.where(inside_BxC > 0, index_C, -1), axis=-1)
-    return (chunk_B * c + jnp.where(hit_B < c, hit_B, last_B)).astype(jnp.int32)
+    return (chunk_B * c + jnp.where(hit_B < c, hit_B, last_B)).astype(jnp.int32), prefix_BxJ[:, -1]
 
 
 def allowed_logits_rows(scaled_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array
@@ -124,7 +132,14 @@ def sample_rows(logits_BxV: jax.Array, keys_B: jax.Array, temperature_B: jax.Arr
     greedy_B = temperature_B == 0.0
     scaled_BxV = logits_BxV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
     max_B, tokens_B = first_max(scaled_BxV)
+    if sampled and not truncate:
+        # one pass of exp over the vocabulary gives the draw and the normalizer (a decode
+        # step's sampling is bound by reading the B x V logits: 2 passes instead of 4)
+        drawn_B, total_B = _cdf_sample(keys_B, scaled_BxV, max_B)
+        tokens_B = jnp.where(greedy_B, tokens_B, drawn_B)
+        chosen_B = jnp.take_along_axis(scaled_BxV, tokens_B[:, None], axis=-1)[:, 0]
+        return tokens_B, chosen_B - max_B - jnp.log(total_B)
     if sampled:
-        filtered_BxV = allowed_logits_rows(scaled_BxV, top_k_B, top_p_B) if truncate else scaled_BxV
+        filtered_BxV = allowed_logits_rows(scaled_BxV, top_k_B, top_p_B)
         tokens_B = jnp.where(greedy_B, tokens_B, inverse_cdf_sample(keys_B, filtered_BxV))
     return tokens_B, token_logprob(scaled_BxV, max_B, tokens_B)

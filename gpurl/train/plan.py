@@ -10,7 +10,6 @@ sentence naming the largest part and the cheapest fixes, never a kill by the ker
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import numpy as np
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.config import Config, ConfigError, PlanConfig
-from gpurl.distributed import runtime, targets
+from gpurl.distributed import layout, runtime, targets
 from gpurl.distributed.mesh import batch_divisor
 from gpurl.models.transformer import remat_policy
 from gpurl.rollout.engine import Engine
@@ -88,6 +87,7 @@ class ProgramPlan:
     notes: list[str] = field(default_factory=list)
     analysis: dict[str, float] = field(default_factory=dict)  # XLA's: arguments, temp, outputs
     gpu_programs: list[Any] = field(default_factory=list, repr=False)  # compiled for a GPU
+    account: list[str] = field(default_factory=list)  # the GPU compiler's (`efficiency`)
 
     @property
     def total(self) -> float:
@@ -109,6 +109,7 @@ class ProgramPlan:
         lines.append(f"  {'device memory':<{width}}  {self.limit / GIB:10.3f}  -> {verdict}")
         notes = self.notes + ([kernel_note(self.gpu_programs)] if self.gpu_programs else [])
         lines += [f"  ({note})" for note in notes]
+        lines += [f"  {line}" for line in self.account]
         return "\n".join(lines)
 
 
@@ -121,12 +122,7 @@ def device_memory(cfg: PlanConfig, device: jax.Device) -> tuple[float, str]:
         return gpu.memory_bytes * fraction, (
             f"{gpu.description}, {gpu.memory_bytes / GIB:.1f} GiB x {fraction:g} "
             f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
-    stats = device.memory_stats() or {}
-    if "bytes_limit" in stats:
-        return float(stats["bytes_limit"]), f"{device.platform} bytes_limit"
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    count = max(jax.local_device_count(), 1)
-    return host / count, f"host RAM / {count} local devices"
+    return layout.device_bytes(device)
 
 
 def _on_gpu(compiled: list[Any], mesh: Any) -> list[Any]:
@@ -182,7 +178,7 @@ def plan_rollout(engine: Engine, rows: int, width: int, group: int, resident: fl
     compile_s = time.perf_counter() - t0
     memory = [_memory(c) for c in programs]
     args, temp, outputs = max(memory, key=lambda m: m[1])
-    params = shard_bytes(engine.spec.abstract_params, engine.param_shardings)
+    params = shard_bytes(engine.abstract_params, engine.param_shardings)
     parts = {"parameters": params, "KV cache": kv,
              "activations / scratch": max(temp + outputs - kv, 0.0),
              "inputs": max(args - params - kv, 0.0), "resident": resident}

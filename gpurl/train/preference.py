@@ -223,7 +223,7 @@ class _TaskEval:
         width = bucket(max(len(t) for t in self.prompts.tokens), MIN_PROMPT_BUCKET)
         self.engine = RolloutEngine(setup.spec.policy, setup.tokenizer, rollout, mesh,
                                     functions, width)
-        self.sync = WeightSync(setup.place.state.params, self.engine.sampler.param_shardings)
+        self.sync = WeightSync(setup.place.state.params, self.engine.sampler.abstract_params)
         self.describe = (f"greedy accuracy on {len(self.prompts)} prompts "
                          f"({functions[0].name} >= 1)")
 

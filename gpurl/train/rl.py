@@ -27,7 +27,7 @@ from gpurl.algorithms.rl import RLContext, RLInputs
 from gpurl.config import (Config, ConfigError, DataConfig, EnvConfig, MeshConfig, PolicyGradientConfig,
                           RewardsConfig, RolloutConfig, TrainConfig)
 from gpurl.data.sources import default_rewards, load_prompts
-from gpurl.distributed import runtime
+from gpurl.distributed import layout, runtime
 from gpurl.data import packing
 from gpurl.distributed.mesh import batch_divisor, placement_devices, replicated
 from gpurl.distributed.sync import WeightSync
@@ -42,7 +42,8 @@ from gpurl.rollout.engine import MIN_PROMPT_BUCKET, bucket
 from gpurl.train.metrics import DeviceTimer, Sum
 from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.stepper import Setup, Stepper
-from gpurl.train.plan import ProgramPlan, abstract, plan_rollout, shard_bytes, sharded
+from gpurl.train.plan import (ProgramPlan, abstract, device_memory, plan_rollout, shard_bytes,
+                              sharded)
 from gpurl.train.weights import (initial_policy, reward_model_params, reward_model_shardings,
                                  reward_model_spec)
 
@@ -57,8 +58,10 @@ class RLStepper(Stepper):
 
     @classmethod
     def build(cls, setup: Setup, cfg: Config) -> "RLStepper":
+        local = [d for d in setup.place.mesh.devices.flat if d.process_index == jax.process_index()]
         return cls(setup, cfg.algo, cfg.data, cfg.train, cfg.rollout, cfg.mesh, cfg.rewards,
-                   lora_base=cfg.model.lora.rank > 0, env=cfg.env)
+                   lora_base=cfg.model.lora.rank > 0, env=cfg.env,
+                   memory=device_memory(cfg.plan, local[0])[0])
 
     @staticmethod
     def trainer_devices(mesh: MeshConfig) -> Sequence[jax.Device]:
@@ -66,7 +69,8 @@ class RLStepper(Stepper):
 
     def __init__(self, setup: Setup, algo: PolicyGradientConfig, data: DataConfig,
                  train: TrainConfig, rollout: RolloutConfig, mesh: MeshConfig,
-                 rewards: RewardsConfig, lora_base: bool, env: EnvConfig | None = None):
+                 rewards: RewardsConfig, lora_base: bool, env: EnvConfig | None = None,
+                 memory: float = float("inf")):
         self.setup, self.algo, self.train = setup, algo, train
         spec, place = setup.spec, setup.place
         self.prompts, self.evals, self.skipped = _prompts(data, setup)
@@ -84,11 +88,16 @@ class RLStepper(Stepper):
         multi_turn = env is not None and env.on
         self.functions = load_rewards(rewards, [] if multi_turn else default_rewards(data))
         longest = max(len(t) for t in self.prompts.tokens + (self.evals.tokens if self.evals else []))
+        # mesh.rollout_tp=auto: the width leaving the most room for the KV pool beside what
+        # stays on the devices (colocated: the train state and the frozen models)
+        beside = self._state_bytes() + self._frozen_bytes() if mesh.placement == "colocated" else 0.0
+        mesh, self.layout = layout.resolve(mesh, spec.policy, placement_devices(mesh)[1],
+                                           memory - beside)
         self.engine = RolloutEngine(spec.policy, setup.tokenizer, rollout, mesh, self.functions,
                                     bucket(longest, MIN_PROMPT_BUCKET), placement_devices(mesh)[1],
                                     env=env)
         self.sync = WeightSync(spec.policy_params(place.state.params),
-                               self.engine.sampler.param_shardings)
+                               self.engine.sampler.abstract_params)
         self._check_rows()
         # With a reward model and no reward functions named, the functions (the data's
         # answer check) only report; the reward model's score is the reward.
@@ -173,6 +182,9 @@ class RLStepper(Stepper):
         return [("prepare", self._prepare, self._prepare_args(collected)),
                 *self.engine.sampler.round_programs(*self._round_shape())]
 
+    def rollout_round(self) -> tuple[Any, int, int, int]:
+        return (self.engine.sampler, *self._round_shape())
+
     def _round_shape(self) -> tuple[int, int, int]:
         """(requests per process, prompt width, identical runs) of a step's rollout round."""
         rows, g = self.train.batch_size * self.algo.num_generations, self.algo.num_generations
@@ -192,17 +204,16 @@ class RLStepper(Stepper):
     def _sampling_copy(self) -> tuple[float, float]:
         """(bytes per device of the policy's parameters in the rollout layout that are a
         copy, bytes that share the trainer's buffers): colocated leaves already in the
-        rollout layout are not copied."""
-        spec, place = self.setup.spec, self.setup.place
-        abstract = jax.tree.leaves(spec.policy_params(place.abstract_state.params))
-        train_sh = jax.tree.leaves(spec.policy_params(place.state.params))
-        sample_sh = jax.tree.leaves(self.engine.sampler.param_shardings)
-        shared = [self.sync.colocated and t.is_equivalent_to(s, x.ndim)
-                  for x, t, s in zip(abstract, train_sh, sample_sh)]
-        copy = shard_bytes([x for x, sh in zip(abstract, shared) if not sh],
-                           [s for s, sh in zip(sample_sh, shared) if not sh])
-        alias = shard_bytes([x for x, sh in zip(abstract, shared) if sh],
-                            [s for s, sh in zip(sample_sh, shared) if sh])
+        rollout's dtype and layout are not copied."""
+        trainer = jax.tree.leaves(self.setup.spec.policy_params(self.setup.place.abstract_state.params))
+        copy = alias = 0.0
+        for i, (x, target) in enumerate(zip(trainer, self.sync.targets)):
+            parts = list(target) if isinstance(target, tuple) else [target]
+            nbytes = shard_bytes(parts, [a.sharding for a in parts])
+            if self.sync.shares(x, i):
+                alias += nbytes
+            else:
+                copy += nbytes
         return copy, alias
 
     def resident_bytes(self) -> float:
@@ -214,11 +225,16 @@ class RLStepper(Stepper):
         width), compiled for the run; colocated, the train state stays beside it."""
         resident = 0.0
         if self.sync.colocated:
-            place = self.setup.place
-            state = (shard_bytes(place.abstract_state.params, place.state.params)
-                     + shard_bytes(place.abstract_state.opt_state, place.state.opt_state))
-            resident = state - self._sampling_copy()[1] + self._frozen_bytes()
-        return plan_rollout(self.engine.sampler, *self._round_shape(), resident, limit)
+            resident = self._state_bytes() - self._sampling_copy()[1] + self._frozen_bytes()
+        plan = plan_rollout(self.engine.sampler, *self._round_shape(), resident, limit)
+        plan.notes.append(self.layout)
+        return plan
+
+    def _state_bytes(self) -> float:
+        """The train state (parameters, optimizer state) per trainer device."""
+        place = self.setup.place
+        return (shard_bytes(place.abstract_state.params, place.state.params)
+                + shard_bytes(place.abstract_state.opt_state, place.state.opt_state))
 
     def plan_prompt_len(self, tokens: int) -> None:
         """Rollouts of prompts padded to `tokens` (rounded up to a bucket) instead of the
@@ -246,7 +262,8 @@ class RLStepper(Stepper):
                      "training share the devices; mesh.placement=split overlaps them)")
         return (f"{len(self.prompts)} train prompts, {len(self.evals) if self.evals else 0} eval "
                 f"prompts ({self.skipped} longer than data.max_len skipped), "
-                f"G={self.algo.num_generations}, rewards: {names}{ahead}")
+                f"G={self.algo.num_generations}, rewards: {names}{ahead}; rollout "
+                f"{dict(self.engine.sampler.mesh.shape)} ({self.layout})")
 
     def _check_rows(self) -> None:
         rows = self.train.batch_size * self.algo.num_generations

@@ -84,6 +84,11 @@ class Stepper:
         """The sampling program's `ProgramPlan` (compiled ahead of time); None without one."""
         return None
 
+    def rollout_round(self) -> tuple[Any, int, int, int] | None:
+        """(the rollout engine, requests per process, prompt width, identical runs) of a
+        step's rollout round, as the plan compiles it; None without a rollout."""
+        return None
+
     def plan_prompt_len(self, tokens: int) -> None:
         """`plan.prompt_len`: plan for prompts of `tokens` tokens (gpurl plan's what-if)."""
         raise ConfigError(f"plan.prompt_len={tokens} sizes the prompts of RL rollouts; for this "
