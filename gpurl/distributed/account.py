@@ -156,13 +156,11 @@ class Hints:
 class Cost:
     flops: float = 0.0
     bytes: float = 0.0
-    network: float = 0.0  # of `bytes`: moved by collectives
     by_kind: dict[str, float] = field(default_factory=dict)  # bytes by what moved them
 
     def add(self, other: Cost, times: float = 1.0) -> None:
         self.flops += other.flops * times
         self.bytes += other.bytes * times
-        self.network += other.network * times
         for k, v in other.by_kind.items():
             self.by_kind[k] = self.by_kind.get(k, 0.0) + v * times
 
@@ -208,7 +206,6 @@ class Account:
         self.hints = hints
         self._shapes = {c: {i.name: i.shape for i in ins} for c, ins in self.module.computations.items()}
         self._costs: dict[str, Cost] = {}
-        self.unknown_loops: list[str] = []  # loops counted once: no known trip count
 
     # ---------------------------------------------------------------- units of work
 
@@ -303,8 +300,6 @@ class Account:
             return
         if op == "while":
             m = _TRIP.search(ins.attrs)
-            if not m:
-                self.unknown_loops.append(ins.name)
             trips = int(m.group(1)) if m else 1
             cost.add(self.computation(ins.called("body")), trips)
             cost.add(self.computation(ins.called("condition")), trips + 1)
@@ -330,7 +325,6 @@ class Account:
         elif op.startswith(COLLECTIVES):
             moved = sum(a.bytes for a in reads) + ins.bytes
             cost.charge("collectives", moved)
-            cost.network += sum(a.bytes for a in reads)
         elif op == "dot":
             cost.charge("matmuls", sum(a.bytes for a in reads) + ins.bytes, _dot_flops(ins, shapes))
         else:

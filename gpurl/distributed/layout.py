@@ -13,16 +13,15 @@ stays beside the rollout (colocated: the train state) and the rollout's weights.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any, Sequence
 
 import jax
-import numpy as np
 
 from gpurl.config import MeshConfig
-from gpurl.distributed.mesh import rollout_mesh, tree_shardings
+from gpurl.distributed.mesh import held_bytes, rollout_mesh, tree_shardings
 from gpurl.distributed.targets import DEVICES_PER_HOST  # a replica wider crosses the network
+
 ROOM_TOLERANCE = 0.9  # auto: the narrowest width with this share of the most room
 
 
@@ -39,8 +38,7 @@ def weight_bytes(spec: Any, cfg: MeshConfig, devices: Sequence[jax.Device], widt
     mesh = rollout_mesh(dataclasses.replace(cfg, rollout_tp=str(width)), devices)
     serving = spec.serving_params(tree_shardings(spec.abstract_params, spec.logical_axes,
                                                  cfg.sample_rules, mesh))
-    return float(sum(math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
-                     for a in jax.tree.leaves(serving)))
+    return held_bytes(serving)
 
 
 def resolve(cfg: MeshConfig, spec: Any, devices: Sequence[jax.Device], room: float

@@ -122,6 +122,13 @@ def tree_shardings(abstract: Any, logical_axes: Any, rules: Rules, mesh: Mesh) -
         abstract, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def held_bytes(abstract: Any) -> float:
+    """Bytes one device holds of a tree of `jax.ShapeDtypeStruct`s laid out by their own
+    shardings (the largest shard where shards differ)."""
+    return float(sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                     for x in jax.tree.leaves(abstract)))
+
+
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     """Rows of a batch are split over the `batch` rule's axes (data and fsdp)."""
     axes = tuple(a for a in rules.get("batch", ()) if mesh.shape[a] > 1)

@@ -28,7 +28,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import numpy as np
 
 from gpurl.algorithms import registry
@@ -36,8 +35,8 @@ from gpurl.algorithms.registry import Family
 from gpurl.config import Config
 from gpurl.distributed.account import Account, Cost, Hints
 from gpurl.distributed.targets import Gpu
-from gpurl.models.transformer import remat_policy
-from gpurl.models.transformer import STACKS, compute_dtype
+from gpurl.distributed.mesh import held_bytes
+from gpurl.models.transformer import STACKS, compute_dtype, remat_policy
 
 GB = 1e9
 
@@ -153,7 +152,7 @@ def decode_account(engine: Any, compiled: Any, rows: int, width: int, group: int
     heads, kv_heads = _heads(cfg, tp)
     itemsize = np.dtype(compute_dtype(cfg)).itemsize
     kv = per_shard * tokens * cfg.num_layers * kv_heads * cfg.head_dim * 2 * itemsize
-    weights = _bytes(engine.abstract_params)
+    weights = held_bytes(engine.abstract_params)
     mm = matmul_params(engine.spec.abstract_params, cfg) / tp + cfg.vocab_size * cfg.d_model / tp
     flops = 2 * mm * per_shard + 4 * per_shard * heads * cfg.head_dim * tokens * cfg.num_layers
     f32, converted = account.float32_weights(), account.converted_weights()
@@ -174,7 +173,7 @@ def prefill_account(engine: Any, compiled: Any, rows: int, width: int, group: in
     itemsize = np.dtype(compute_dtype(cfg)).itemsize
     tokens = prompts * width
     written = tokens * cfg.num_layers * kv_heads * cfg.head_dim * 2 * itemsize
-    weights = _bytes(engine.abstract_params)
+    weights = held_bytes(engine.abstract_params)
     mm = matmul_params(engine.spec.abstract_params, cfg) / tp
     flops = (2 * mm * tokens + 2 * cfg.vocab_size * cfg.d_model / tp * admitted
              + 4 * heads * cfg.head_dim * prompts * _causal_pairs(cfg, width))
@@ -215,12 +214,6 @@ def _train_tokens(cfg: Any, batch: dict[str, Any]) -> tuple[float, float, float]
         return p * w + p * g * n, p * g * n, pairs
     rows, length = next(x.shape for x in batch.values() if len(x.shape) == 2)
     return rows * length, rows * length, rows * _causal_pairs(cfg, length)
-
-
-def _bytes(abstract: Any) -> float:
-    """Bytes one device holds of an abstract tree (its leaves' shardings)."""
-    return float(sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-                     for x in jax.tree.leaves(abstract)))
 
 
 def rl_bound(gpu: Gpu, decode: ProgramAccount, prefill: ProgramAccount,

@@ -22,7 +22,7 @@ from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.config import Config, ConfigError, PlanConfig
 from gpurl.distributed import layout, runtime, targets
-from gpurl.distributed.mesh import batch_divisor
+from gpurl.distributed.mesh import batch_divisor, held_bytes
 from gpurl.models.transformer import remat_policy
 from gpurl.rollout.engine import Engine
 from gpurl.train.optim import trainable
@@ -178,7 +178,7 @@ def plan_rollout(engine: Engine, rows: int, width: int, group: int, resident: fl
     compile_s = time.perf_counter() - t0
     memory = [_memory(c) for c in programs]
     args, temp, outputs = max(memory, key=lambda m: m[1])
-    params = shard_bytes(engine.abstract_params, engine.param_shardings)
+    params = held_bytes(engine.abstract_params)
     parts = {"parameters": params, "KV cache": kv,
              "activations / scratch": max(temp + outputs - kv, 0.0),
              "inputs": max(args - params - kv, 0.0), "resident": resident}
