@@ -125,9 +125,9 @@ class Layout:
         """Seconds of prepare + train step (dispatch to the updated parameters' arrival)."""
         s = self.stepper
         t0 = time.perf_counter()
-        batch, _, _ = s._prepare(self.state.params, s.ref_params, s.rm_params, self.batch,
+        batch, _, _ = s._prepare(self.state.params, s.ref_params, s.rm_params, None, self.batch,
                                  self.rewards, s.carry)
-        self.state, metrics = self.setup.step_fn(self.state, batch, *self.static)
+        self.state, metrics = self.setup.step_fn(self.state, batch, None, *self.static)
         jax.block_until_ready((self.state.params, metrics))
         return time.perf_counter() - t0
 
@@ -137,7 +137,7 @@ class Layout:
         args = (self.state.params, s.ref_params, s.rm_params, self.batch, self.rewards, s.carry)
         prepared = s._prepare.lower(*args).compile()
         batch = jax.eval_shape(s._prepare, *args)[0]
-        train = self.setup.step_fn.jitted.lower(self.state, batch, *self.static).compile()
+        train = self.setup.step_fn.jitted.lower(self.state, batch, None, *self.static).compile()
         self.memory = max(_bytes(prepared), _bytes(train))
 
 
@@ -189,7 +189,7 @@ def gpu_costs(args: argparse.Namespace, clen_PxG: np.ndarray) -> None:
             prepared = stepper._prepare.lower(*prep_args).compile()
             batch = jax.eval_shape(stepper._prepare, *prep_args)[0]
             train = setup.step_fn.jitted.lower(abstract(place.abstract_state, place.state),
-                                               sharded(batch, place.batch), *static).compile()
+                                               sharded(batch, place.batch), None, *static).compile()
             costs = [_gpu_cost(c) for c in (prepared, train)]
             rows.append((shape, *(c.get("flops", 0.0) for c in costs),
                          *(c.get("bytes accessed", 0.0) for c in costs)))

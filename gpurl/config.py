@@ -6,13 +6,12 @@ composition. `gpurl.cli` converts the composed config once into these frozen
 dataclasses; nothing below the CLI sees omegaconf. Every field carries a comment: it
 is the documentation of the key (`gpurl train --cfg job` prints the values).
 
-The `algo` group has one schema per family of algorithms (SFT, policy gradient: the GRPO
-family and PPO, preference optimization); each option in `configs/algo/` names the schema
-it fills, and `gpurl.algorithms.registry` maps an algorithm's name to its schema. This
-module imports only `gpurl.config_checks` (the value checks and `ConfigError`) and
-`gpurl.config_env` and `gpurl.config_data` (the `env` and `data` groups' schemas, leaves
-like this one): every other module
-may import it.
+The `algo` group has one schema per family of algorithms (`gpurl.config_algo`, re-exported
+here); each option in `configs/algo/` names the schema it fills, and
+`gpurl.algorithms.registry` maps an algorithm's name to its schema. This module imports
+only `gpurl.config_checks` (the value checks and `ConfigError`) and `gpurl.config_algo`,
+`gpurl.config_env` and `gpurl.config_data` (the `algo`, `env` and `data` groups' schemas,
+leaves like this one): every other module may import it.
 """
 
 from __future__ import annotations
@@ -25,63 +24,24 @@ from typing import ClassVar, Optional
 from gpurl.config_checks import DTYPES, ConfigError, lookup
 from gpurl.config_checks import choice as _choice, enum_field as _enum, positive as _positive
 from gpurl.config_checks import tuplify as _tuplify
+from gpurl.config_algo import (Advantage, AlgoConfig, CriticBackbone, CriticConfig, Divergence,
+                               DistillSignal, DPOConfig, DPOLoss, GRPOConfig, ImportanceRatio,
+                               KDConfig, KLControlConfig, KLEstimator, LossAgg, OPDConfig,
+                               ORPOConfig, PolicyGradientConfig, PPOConfig, RewardModelConfig,
+                               SFTConfig, SimPOConfig, TeacherConfig)
 from gpurl.config_data import DataConfig
 from gpurl.config_env import EnvConfig
 
-__all__ = ["DTYPES", "ConfigError", "DataConfig", "EnvConfig", "lookup"]  # re-exported: imported from here
+# re-exported: imported from here
+__all__ = ["DTYPES", "ConfigError", "DataConfig", "EnvConfig", "lookup", "Advantage",
+           "AlgoConfig", "CriticBackbone", "CriticConfig", "Divergence", "DistillSignal",
+           "DPOConfig", "DPOLoss", "GRPOConfig", "ImportanceRatio", "KDConfig",
+           "KLControlConfig", "KLEstimator", "LossAgg", "OPDConfig", "ORPOConfig",
+           "PolicyGradientConfig", "PPOConfig", "RewardModelConfig", "SFTConfig", "SimPOConfig",
+           "TeacherConfig"]
 
 
 # ---------------------------------------------------------------- choice enums
-# Values of string-valued keys. The algorithms' enums key registries of pure functions
-# (gpurl/algorithms/policy_gradient.py, dpo.py): one function per member, tested.
-
-
-class KLEstimator(str, enum.Enum):
-    """Per-token estimators of KL(pi || pi_ref) (Schulman 2020)."""
-
-    K1 = "k1"
-    K2 = "k2"
-    K3 = "k3"
-
-
-class LossAgg(str, enum.Enum):
-    """How per-token losses become one number (each names its normalizer)."""
-
-    TOKEN_MEAN = "token_mean"
-    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
-    SEQ_MEAN_TOKEN_SUM = "seq_mean_token_sum"
-    SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"
-
-
-class Advantage(str, enum.Enum):
-    """Advantage estimators over the G completions of a prompt."""
-
-    GRPO = "grpo"
-    DRGRPO = "drgrpo"
-    RLOO = "rloo"
-
-
-class ImportanceRatio(str, enum.Enum):
-    """The policy ratio the clipped surrogate uses: per token, or GSPO's per sequence."""
-
-    TOKEN = "token"
-    SEQUENCE = "sequence"
-    SEQUENCE_TOKEN = "sequence_token"
-
-
-class DPOLoss(str, enum.Enum):
-    """DPO's loss on the reference-normalized log-ratio margin."""
-
-    SIGMOID = "sigmoid"
-    IPO = "ipo"
-    HINGE = "hinge"
-
-
-class CriticBackbone(str, enum.Enum):
-    """Where PPO's value head reads its states."""
-
-    SEPARATE = "separate"
-    SHARED = "shared"
 
 
 class LoggerName(str, enum.Enum):
@@ -93,222 +53,6 @@ class LoggerName(str, enum.Enum):
 class Placement(str, enum.Enum):
     COLOCATED = "colocated"
     SPLIT = "split"
-
-
-# ---------------------------------------------------------------- algo: one schema per family
-
-
-@dataclass(frozen=True)
-class AlgoConfig:
-    """The objective. Each option of configs/algo/ fills one of the schemas below (the
-    first line of its defaults list names it) with the published values of its paper."""
-
-    # registered algorithm (gpurl/algorithms/registry.py): sft, grpo, gspo, dapo, drgrpo,
-    # rloo, ppo, dpo, simpo, orpo, rm
-    name: str = "sft"
-    schema: ClassVar[str] = "algo"  # ConfigStore name of the schema: gpurl_<schema>
-
-
-@dataclass(frozen=True)
-class SFTConfig(AlgoConfig):
-    """Supervised fine-tuning (`algo=sft`)."""
-
-    schema: ClassVar[str] = "algo_sft"
-    label_smoothing: float = 0.0  # cross-entropy label smoothing in [0, 1)
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError(
-                f"algo.label_smoothing={self.label_smoothing} is not valid; use a value in [0, 1).")
-
-
-@dataclass(frozen=True)
-class PolicyGradientConfig(AlgoConfig):
-    """What every RL algorithm shares: sampling G completions per prompt, the clipped
-    surrogate with its importance ratio, the KL term, the loss aggregation, and reward
-    shaping. `GRPOConfig` adds group advantages, `PPOConfig` a critic."""
-
-    schema: ClassVar[str] = "algo_policy_gradient"
-    name: str = "grpo"
-    num_generations: int = 8  # completions G sampled per prompt
-    beta: float = 0.0  # KL coefficient to the frozen reference (0 = no reference pass)
-    kl_estimator: str = "k3"  # k1, k2 or k3 (Schulman 2020)
-    kl_in_reward: bool = False  # subtract beta * KL from the reward instead of adding it to the loss
-    epsilon: float = 0.2  # ratio clip: lower bound 1 - epsilon
-    epsilon_high: Optional[float] = None  # clip-higher upper bound 1 + epsilon_high; null = epsilon
-    dual_clip: Optional[float] = None  # bound the loss of negative advantages at -c*A (c > 1); null = off
-    loss_agg: str = "seq_mean_token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm
-    importance: str = "token"  # token ratios (GRPO/PPO), sequence (GSPO) or sequence_token (GSPO-token)
-    num_iterations: int = 1  # optimizer passes over each batch; > 1 uses the old log-probs
-    # truncated importance sampling: cap C of min(pi_old / pi_sampler, C) per token; null = off (2 on rollout.async runs)
-    tis_cap: Optional[float] = None
-    # rollout.async: weight tokens sampled a step ahead by min(pi_old / pi_sampler, C), C = tis_cap or 2; false = none (unless tis_cap)
-    async_correction: bool = True
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill the batch
-    max_refills: int = 4  # dynamic sampling: extra rollout rounds per step at most
-    overlong_buffer: int = 0  # DAPO overlong shaping: penalty ramps over the last N tokens; 0 = off
-    overlong_penalty: float = 1.0  # DAPO overlong shaping: penalty at the length limit
-    # HF ...ForSequenceClassification dir (e.g. `gpurl export` of an rm run) whose score is
-    # added to the reward on device; with no `rewards` named, the data's functions only report
-    reward_model: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        _enum(self, "kl_estimator", "algo.kl_estimator", KLEstimator)
-        _enum(self, "loss_agg", "algo.loss_agg", LossAgg)
-        _enum(self, "importance", "algo.importance", ImportanceRatio)
-        _positive("algo.beta", self.beta, allow_zero=True)
-        _positive("algo.epsilon", self.epsilon)
-        if self.tis_cap is not None:
-            _positive("algo.tis_cap", self.tis_cap)
-        for key in ("num_iterations", "num_generations"):
-            _positive(f"algo.{key}", getattr(self, key))
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ConfigError(f"algo.dual_clip={self.dual_clip} must exceed 1; use e.g. 3 or null.")
-        if self.dynamic_sampling and self.reward_model is not None:
-            raise ConfigError("algo.dynamic_sampling picks groups by the reward functions before "
-                              "algo.reward_model scores them; set algo.dynamic_sampling=false "
-                              "or drop algo.reward_model.")
-
-    @property
-    def clip_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-
-@dataclass(frozen=True)
-class GRPOConfig(PolicyGradientConfig):
-    """GRPO and its variants (`algo=grpo`, `gspo`, `dapo`, `drgrpo`, `rloo`): advantages
-    from the rewards of each prompt's G completions."""
-
-    schema: ClassVar[str] = "algo_grpo"
-    advantage: str = "grpo"  # grpo (mean/std), drgrpo (mean only), rloo (leave-one-out)
-    adv_eps: float = 1e-4  # added to the group std (grpo advantages)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _enum(self, "advantage", "algo.advantage", Advantage)
-        if self.num_generations < 2:
-            raise ConfigError(f"algo.num_generations={self.num_generations} gives no group to "
-                              f"compare; use at least 2.")
-
-
-@dataclass(frozen=True)
-class CriticConfig:
-    """PPO's critic: a value head, on its own backbone or on the policy's."""
-
-    critic: str = "separate"  # separate (a value head on its own backbone) or shared (on the policy's backbone)
-    critic_lr: Optional[float] = None  # learning rate of the critic (same schedule as the policy); null = optim.lr
-    vf_coef: float = 0.5  # weight of the value loss in the total loss
-    value_clip: Optional[float] = 0.2  # clip new values to old +- this (PPO2 value clipping); null = off
-
-    def _check_critic(self) -> None:
-        _enum(self, "critic", "algo.critic", CriticBackbone)
-        _positive("algo.vf_coef", self.vf_coef, allow_zero=True)
-        for key in ("critic_lr", "value_clip"):
-            if getattr(self, key) is not None:
-                _positive(f"algo.{key}", getattr(self, key))
-
-
-@dataclass(frozen=True)
-class KLControlConfig:
-    """PPO's KL coefficient: fixed at algo.beta, or adapted to a target (Ziegler 2019)."""
-
-    kl_target: Optional[float] = None  # adaptive KL coefficient aiming at this KL per sequence (Ziegler 2019); null = fixed beta
-    kl_horizon: int = 10000  # adaptive KL: beta changes by at most 20% x rows / horizon per step
-
-    def _check_kl_control(self, beta: float) -> None:
-        _positive("algo.kl_horizon", self.kl_horizon)
-        if self.kl_target is not None:
-            _positive("algo.kl_target", self.kl_target)
-            if beta <= 0:
-                raise ConfigError(f"algo.kl_target={self.kl_target} adapts a KL coefficient that "
-                                  f"starts at algo.beta=0; set algo.beta > 0 (e.g. 0.05).")
-
-
-@dataclass(frozen=True)
-class PPOConfig(CriticConfig, KLControlConfig, PolicyGradientConfig):
-    """PPO with a learned critic (`algo=ppo`): GAE advantages per token, the KL penalty in
-    the per-token reward, and the critic and KL-control parts above."""
-
-    schema: ClassVar[str] = "algo_ppo"
-    name: str = "ppo"
-    gamma: float = 1.0  # discount of GAE (Schulman 2016)
-    lam: float = 0.95  # GAE lambda (bias-variance trade-off of the advantage estimate)
-    whiten_advantages: bool = True  # advantages to zero mean, unit variance over the batch's tokens
-    entropy_coef: float = 0.0  # entropy bonus weight (the loss subtracts coef * mean token entropy)
-
-    def __post_init__(self) -> None:
-        PolicyGradientConfig.__post_init__(self)
-        self._check_critic()
-        self._check_kl_control(self.beta)
-        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
-            raise ConfigError(f"algo.gamma={self.gamma} and algo.lam={self.lam} must lie in [0, 1].")
-        _positive("algo.entropy_coef", self.entropy_coef, allow_zero=True)
-        if self.beta > 0 and not self.kl_in_reward:
-            raise ConfigError("algo=ppo puts the KL penalty in the per-token reward; set "
-                              "algo.kl_in_reward=true (or algo.beta=0 for no penalty).")
-
-
-def _check_smoothing(eps: float, smoothed: bool, where: str) -> None:
-    """Label smoothing of a preference loss: the share eps in [0, 0.5) of pairs assumed
-    flipped (conservative DPO, Mitchell 2023), defined for the log-sigmoid losses only."""
-    if eps and (not smoothed or not 0.0 < eps < 0.5):
-        raise ConfigError(
-            f"algo.label_smoothing={eps} is not valid for {where}; it needs "
-            f"algo.dpo_loss=sigmoid or algo=simpo and a value in [0, 0.5).")
-
-
-@dataclass(frozen=True)
-class DPOConfig(AlgoConfig):
-    """DPO and its loss variants (`algo=dpo`, `ipo`) on preference pairs, against the
-    frozen initial model."""
-
-    schema: ClassVar[str] = "algo_dpo"
-    name: str = "dpo"
-    beta: float = 0.1  # reward scale beta of the log-ratio margin
-    dpo_loss: str = "sigmoid"  # sigmoid (Rafailov 2023), ipo (Azar 2023) or hinge (SLiC, Zhao 2023)
-    label_smoothing: float = 0.0  # sigmoid loss: the share eps in [0, 0.5) of pairs assumed flipped (conservative DPO, Mitchell 2023)
-
-    def __post_init__(self) -> None:
-        _enum(self, "dpo_loss", "algo.dpo_loss", DPOLoss)
-        _positive("algo.beta", self.beta)
-        _check_smoothing(self.label_smoothing, self.dpo_loss == DPOLoss.SIGMOID,
-                         f"algo={self.name} algo.dpo_loss={self.dpo_loss.value}")
-
-
-@dataclass(frozen=True)
-class SimPOConfig(AlgoConfig):
-    """SimPO (`algo=simpo`): length-normalized rewards and a target margin, no reference."""
-
-    schema: ClassVar[str] = "algo_simpo"
-    name: str = "simpo"
-    beta: float = 2.0  # reward scale of the length-normalized log-probs
-    simpo_gamma: float = 0.5  # target reward margin gamma (Meng 2024)
-    label_smoothing: float = 0.0  # the share eps in [0, 0.5) of pairs assumed flipped
-
-    def __post_init__(self) -> None:
-        _positive("algo.beta", self.beta)
-        _positive("algo.simpo_gamma", self.simpo_gamma, allow_zero=True)
-        _check_smoothing(self.label_smoothing, True, f"algo={self.name}")
-
-
-@dataclass(frozen=True)
-class ORPOConfig(AlgoConfig):
-    """ORPO (`algo=orpo`): the chosen completion's NLL plus an odds-ratio term, no reference."""
-
-    schema: ClassVar[str] = "algo_orpo"
-    name: str = "orpo"
-    orpo_lambda: float = 0.1  # weight lambda of the odds-ratio term beside the chosen NLL (Hong 2024)
-
-    def __post_init__(self) -> None:
-        _positive("algo.orpo_lambda", self.orpo_lambda, allow_zero=True)
-
-
-@dataclass(frozen=True)
-class RewardModelConfig(AlgoConfig):
-    """A reward model trained with Bradley-Terry on preference pairs (`algo=rm`)."""
-
-    schema: ClassVar[str] = "algo_rm"
-    name: str = "rm"
 
 
 @dataclass(frozen=True)

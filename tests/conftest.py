@@ -69,6 +69,19 @@ TINY_MODEL = {"vocab_size": 259, "d_model": 32, "num_layers": 2, "num_heads": 4,
               "num_kv_heads": 2, "head_dim": 8, "mlp_dim": 64, "dtype": "float32"}
 
 
+def tiny_teacher(path: Path, model: dict[str, Any], seed: int, edit: Any = None) -> Path:
+    """An HF directory (`gpurl export`'s layout) of a random model with `model`'s fields,
+    drawn from `seed` (and changed by `edit(params) -> params`): a teacher for
+    distillation tests."""
+    from gpurl.models.hf_export import export_hf
+    from gpurl.models.spec import model_spec
+
+    cfg = make_config(model=model).model
+    params = model_spec(cfg).init(seed)
+    export_hf(edit(params) if edit else params, cfg, path)
+    return path
+
+
 # Fixtures of the real model: a test that uses one (directly or through another) is in the
 # `realmodel` tier.
 REAL_MODEL_FIXTURES = ("gemma3_gguf", "gemma3_hf_model", "gemma3_hf_tokenizer")

@@ -315,7 +315,7 @@ def test_reference_free_algorithms_skip_the_reference(tmp_path, monkeypatch):
     spec, place, _ = _model_pieces()
     seen = {}
 
-    def step_fn(state, batch):
+    def step_fn(state, batch, teacher):
         seen.update(batch)
         return state, {}
 

@@ -38,8 +38,8 @@ STEPS, POISONED, GROWTH, INIT = 14, 5, 3, 1024.0
 def _poisoned(objective: Objective) -> Objective:
     """The objective plus a term that is 0 but has gradient 1e4 per embedding entry on
     rows whose `poison` is 1: times the scale (>= 2^10) that is past fp16's 65504."""
-    def loss(spec, params, batch, norm):
-        value, metrics = objective.loss(spec, params, batch, norm)
+    def loss(spec, params, batch, norm, teacher=None):
+        value, metrics = objective.loss(spec, params, batch, norm, teacher)
         e16 = params["embed"].astype(jnp.float16)
         zero = (e16 - jax.lax.stop_gradient(e16)).astype(jnp.float32).sum()
         return value + jnp.max(batch["poison"]) * 1e4 * zero, metrics
@@ -65,7 +65,7 @@ def _run(dtype: str, tmp_path=None):
         batch = take(rows, step_indices(len(rows), 8, i, seed=0))
         batch["poison"] = np.full((8,), float(i == POISONED and dtype == "float16"), np.float32)
         before = jax.device_get((state.params, state.opt_state))
-        state, metrics = step(state, jax.device_put(batch, place.batch))
+        state, metrics = step(state, jax.device_put(batch, place.batch), None)
         history.append((before, jax.device_get(metrics), jax.device_get(state)))
     if tmp_path is not None:  # the scale is part of the checkpointed state
         ckpt = Checkpointer(tmp_path / "ckpt", keep=1)

@@ -223,9 +223,15 @@ def test_ppo_dpo_and_rm_two_processes_match_one(tmp_path):
             "dpo": ("loss", "grad_norm", "rewards/accuracy", "rewards/margin", "eval/loss",
                     "eval/rewards/accuracy", "eval/accuracy"),
             "rm": ("loss", "grad_norm", "rewards/margin", "eval/loss", "eval/rewards/margin")}
+    _runs_match(tmp_path, keys, steps=[0, 1, 2, 3, 3])
+
+
+def _runs_match(tmp_path: Path, keys: dict[str, tuple[str, ...]], steps: list[int]) -> None:
+    """Runs `<algo>1` (1 process) and `<algo>2` (2 processes) logged the same rows at
+    `steps`, and every key of `keys[algo]` in them agrees (each key seen at least once)."""
     for algo, names in keys.items():
         one, two = _metrics(tmp_path / f"{algo}1"), _metrics(tmp_path / f"{algo}2")
-        assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2, 3, 3]
+        assert [r["step"] for r in one] == [r["step"] for r in two] == steps
         seen = set()
         for a, b in zip(one, two):
             for key in names:
@@ -235,6 +241,31 @@ def test_ppo_dpo_and_rm_two_processes_match_one(tmp_path):
                     np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6,
                                                err_msg=f"{algo}: {key}")
         assert seen == set(names), (algo, seen)
+
+
+def test_distillation_two_processes_match_one(tmp_path):
+    """On-policy distillation (with task rewards beside the teacher's signal) and logit
+    distillation from a deeper teacher, 2 processes x 2 devices against 1 x 4: each
+    process computes the teacher's signal for its own rows, and the losses, divergences,
+    gradients and eval figures agree."""
+    from conftest import tiny_teacher
+
+    teacher = tiny_teacher(tmp_path / "teacher", {"vocab_size": 259, "num_layers": 3,
+                                                  "tokenizer": "bytes"}, seed=4)
+    runs = {"opd": [a for a in TINY_GRPO_ARGS if not a.startswith("algo=")]
+            + ["algo=opd", "algo.task_weight=0.5", f"algo.teacher={teacher}"],
+            "kd": [a for a in ARGS if not a.startswith("algo=")]
+            + ["algo=kd", f"algo.teacher={teacher}", "algo.ce_weight=0.2"]}
+    procs = [p for algo, args in runs.items() for n in (1, 2)
+             for p in _launch(tmp_path / f"{algo}{n}", n, args)]
+    outputs = [p.communicate(timeout=500)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+    keys = {"opd": ("reward/mean", "loss", "distill/reverse_kl", "grad_norm", "eval/accuracy"),
+            "kd": ("loss", "distill/forward_kl", "nll", "grad_norm", "eval/loss",
+                   "eval/distill/forward_kl")}
+    _runs_match(tmp_path, {"opd": keys["opd"]}, steps=[0, 1, 2, 3, 3])
+    _runs_match(tmp_path, {"kd": keys["kd"]}, steps=[1, 2, 3, 3, 4, 5, 6, 6])
 
 
 def test_killed_process_stops_the_others_within_60s(tmp_path):

@@ -181,7 +181,7 @@ def _prepared(stepper, params, collected, rewards, packed: bool):
         m = plan.num_micro
     else:
         m = stepper.train.num_micro_batches
-    batch, metrics, _ = stepper._prepare(params, stepper.ref_params, stepper.rm_params,
+    batch, metrics, _ = stepper._prepare(params, stepper.ref_params, stepper.rm_params, None,
                                          collected, rewards, stepper.carry)
     return batch, metrics, m
 

@@ -70,11 +70,13 @@ def test_imports_run_one_way_with_no_circle_and_none_inside_functions():
     # the schemas import only their value checks (and the env group's schema, which imports
     # only the checks), which import nothing from gpurl
     assert edges["gpurl.config"] <= {"gpurl.config_checks", "gpurl.config_env",
-                                     "gpurl.config_data"} \
+                                     "gpurl.config_data", "gpurl.config_algo"} \
         and edges["gpurl.config_env"] <= {"gpurl.config_checks"} \
         and edges["gpurl.config_data"] <= {"gpurl.config_checks"} \
+        and edges["gpurl.config_algo"] <= {"gpurl.config_checks"} \
         and not edges["gpurl.config_checks"], ("gpurl/config.py must import nothing from gpurl "
-                                               "but its leaves config_checks.py, config_env.py and config_data.py")
+                                               "but its leaves config_checks.py, config_env.py, "
+                                               "config_data.py and config_algo.py")
     state: dict[str, int] = {}
 
     def visit(node: str, trail: list[str]) -> None:

@@ -71,7 +71,7 @@ def test_fsdp_sharded_equals_unsharded():
         step = make_train_step(spec, objective, optimizer, place, num_micro=2)
         losses = []
         for i in range(3):
-            state, metrics = step(state, _batch(place, 8, i))
+            state, metrics = step(state, _batch(place, 8, i), None)
             losses.append(float(metrics["loss"]))
         results.append((jax.device_get(state.params), losses, state))
     (p1, l1, _), (p4, l4, s4) = results

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from gpurl.algorithms.objective import Batch
 from gpurl.data.packing import is_packed
-from gpurl.kernels.logprob import chunked_token_logprobs
+from gpurl.kernels.logprob import chunked_pair_head, chunked_token_logprobs
 from gpurl.models.transformer import SHARED_PREFIX
 
 
@@ -112,6 +112,21 @@ def state_values(fn: Callable[[jax.Array], jax.Array], states: jax.Array,
     return _unpack(fn(states), batch, "pack/start", n + 1, batch["completion_lengths"] + 1)
 
 
+def _head_rows(states: jax.Array, batch: Batch
+               ) -> tuple[jax.Array, jax.Array, Callable[[jax.Array], jax.Array]]:
+    """(the states that predict completion tokens, B x C x D; their targets, B x C; the map
+    of B x C numbers back to the completions' P x G x N) from `group_states`. Padded: every
+    state but the last of each row; packed: each row's `pack/head` slots."""
+    p, g, n = batch["completions"].shape
+    if is_packed(batch):
+        head_BxCxD = jnp.take_along_axis(states, batch["pack/head"][..., None], axis=1)
+        lengths = batch["completion_lengths"]
+        return (head_BxCxD, batch["pack/targets"],
+                lambda x_BxC: _unpack(x_BxC, batch, "pack/head_start", n, lengths))
+    return (states[:, :-1], batch["completions"].reshape(p * g, n),
+            lambda x_BxN: x_BxN.reshape(p, g, n))
+
+
 def states_logprobs(spec: Any, params: Any, states_BxN1xD: jax.Array, batch: Batch,
                     temperature: float = 1.0, chunk_size: int | None = None,
                     differentiable_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -119,19 +134,26 @@ def states_logprobs(spec: Any, params: Any, states_BxN1xD: jax.Array, batch: Bat
     the states that predict completion tokens go through the vocabulary-sized head, in
     chunks (`gpurl.kernels.logprob`); the entropy carries a gradient only when asked.
     Packed rows: the states of each row's `pack/head` slots, against `pack/targets`."""
-    p, g, n = batch["completions"].shape
-    if is_packed(batch):
-        head_BxCxD = jnp.take_along_axis(states_BxN1xD, batch["pack/head"][..., None], axis=1)
-        logp_BxC, entropy_BxC = chunked_token_logprobs(
-            spec.logits, params, head_BxCxD, batch["pack/targets"], temperature or 1.0,
-            chunk_size=chunk_size, differentiable_entropy=differentiable_entropy)
-        lengths = batch["completion_lengths"]
-        return (_unpack(logp_BxC, batch, "pack/head_start", n, lengths),
-                _unpack(entropy_BxC, batch, "pack/head_start", n, lengths))
-    logp_BxN, entropy_BxN = chunked_token_logprobs(
-        spec.logits, params, states_BxN1xD[:, :-1], batch["completions"].reshape(p * g, n),
-        temperature or 1.0, chunk_size=chunk_size, differentiable_entropy=differentiable_entropy)
-    return logp_BxN.reshape(p, g, n), entropy_BxN.reshape(p, g, n)
+    head_BxCxD, targets_BxC, back = _head_rows(states_BxN1xD, batch)
+    logp_BxC, entropy_BxC = chunked_token_logprobs(
+        spec.logits, params, head_BxCxD, targets_BxC, temperature or 1.0,
+        chunk_size=chunk_size, differentiable_entropy=differentiable_entropy)
+    return back(logp_BxC), back(entropy_BxC)
+
+
+def states_pair(spec: Any, params: Any, states: jax.Array, teacher: Any, teacher_states: jax.Array,
+                batch: Batch, stats: Callable[..., tuple[jax.Array, ...]],
+                chunk_size: int | None = None) -> tuple[jax.Array, ...]:
+    """`stats((student logits, teacher logits), targets)` (per-token numbers) at every
+    completion token, each P x G x N, from the student's and a frozen teacher's
+    `group_states` of the same batch: both heads run chunk by chunk on the states that
+    predict completion tokens (`gpurl.kernels.logprob.chunked_pair_head`), so no
+    tokens x vocabulary array exists; only the student's side carries a gradient."""
+    head_BxCxD, targets_BxC, back = _head_rows(states, batch)
+    teacher_BxCxD = _head_rows(teacher_states, batch)[0]
+    out = chunked_pair_head(spec.logits, params, head_BxCxD, teacher.spec.logits, teacher.params,
+                            teacher_BxCxD, targets_BxC, stats, chunk_size)
+    return tuple(back(x) for x in out)
 
 
 def group_logprobs(spec: Any, params: Any, batch: Batch, temperature: float = 1.0,

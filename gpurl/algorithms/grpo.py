@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from gpurl.algorithms.forward import group_logprobs
@@ -39,7 +40,7 @@ def objective(cfg: GRPOConfig, rollout: RolloutConfig) -> Objective:
     multi-turn trajectories."""
     temperature = rollout.temperature
 
-    def loss(spec: Any, params: Any, batch: Batch, norm: dict):
+    def loss(spec: Any, params: Any, batch: Batch, norm: dict, teacher: Any = None):
         logp_PxGxN, entropy_PxGxN = group_logprobs(spec, params, batch, temperature)
         rows = flat_rows(batch)
         mask_BxN = rows["comp_mask"]
@@ -51,17 +52,19 @@ def objective(cfg: GRPOConfig, rollout: RolloutConfig) -> Objective:
     return Objective(loss=loss, normalizer=token_normalizer)
 
 
-def prepare(cfg: GRPOConfig, ctx: RLContext, x: RLInputs) -> tuple[Batch, dict, dict]:
+def prepare(cfg: GRPOConfig, ctx: RLContext, x: RLInputs, old: jax.Array | None = None
+            ) -> tuple[Batch, dict, dict]:
     """Reference and old log-probs, the behaviour correction, a reward model's score and
-    the KL penalty in the reward when configured, then group advantages."""
+    the KL penalty in the reward when configured, then group advantages. `old`: pi_old,
+    P x G x N, when the caller computed it already (`gpurl.algorithms.distill`)."""
     policy, params, batch = ctx.spec.policy, ctx.spec.policy_params(x.params), x.batch
     temp, group = ctx.temperature, batch["completions"].shape[1]
     out, metrics, rewards_B = dict(batch), {}, x.rewards
     if x.ref_params is not None:
         out["ref_logprobs"] = group_logprobs(policy, x.ref_params, batch, temp, replay=False)[0]
-    old = None
     if needs_old_logprobs(cfg, ctx.off_policy):
-        old = group_logprobs(policy, params, batch, temp)[0]
+        if old is None:
+            old = group_logprobs(policy, params, batch, temp)[0]
         weights, metrics = off_policy_terms(cfg, ctx.off_policy, old, batch)
         out.update(weights)
         if ratio_uses_old(cfg):

@@ -13,12 +13,12 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from gpurl.algorithms import dpo, grpo, ppo, rm, sft
+from gpurl.algorithms import distill, dpo, grpo, ppo, rm, sft
 from gpurl.algorithms.objective import Objective
 from gpurl.algorithms.rl import Prepare
-from gpurl.config import (AlgoConfig, Config, ConfigError, DPOConfig, GRPOConfig, ModelConfig,
-                          ORPOConfig, PPOConfig, RewardModelConfig, RolloutConfig, SFTConfig,
-                          SimPOConfig, lookup)
+from gpurl.config import (AlgoConfig, Config, ConfigError, DPOConfig, GRPOConfig, KDConfig,
+                          ModelConfig, OPDConfig, ORPOConfig, PPOConfig, RewardModelConfig,
+                          RolloutConfig, SFTConfig, SimPOConfig, lookup)
 from gpurl.config_dicts import from_dict, yaml_key
 from gpurl.models.export import export_language_model, export_reward_model
 from gpurl.models.spec import model_spec
@@ -73,6 +73,9 @@ class Algorithm:
     # fine-tuning; off for RL and preference learning, as verl's Megatron bridge for
     # Qwen3-MoE sets (moe_router_load_balancing_type="none", "default None for RL")
     router_aux_loss: float = 0.0
+    # a frozen teacher (algo.teacher) is loaded on the trainer mesh and passed to the
+    # train step's loss and the RL prepare step (`gpurl.algorithms.objective.Teacher`)
+    distills: bool = False
 
 
 _GRPO_FAMILY = dict(family=Family.RL, config=GRPOConfig, objective=grpo.objective,
@@ -80,12 +83,16 @@ _GRPO_FAMILY = dict(family=Family.RL, config=GRPOConfig, objective=grpo.objectiv
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("sft", Family.SFT, SFTConfig, sft.objective, router_aux_loss=0.001),
+    Algorithm("kd", Family.SFT, KDConfig, distill.kd_objective, router_aux_loss=0.001,
+              distills=True),
     # the GRPO family: one objective, presets differ (configs/algo/*.yaml)
     Algorithm("grpo", **_GRPO_FAMILY),
     Algorithm("gspo", **_GRPO_FAMILY),
     Algorithm("dapo", **_GRPO_FAMILY),
     Algorithm("drgrpo", **_GRPO_FAMILY),
     Algorithm("rloo", **_GRPO_FAMILY),
+    Algorithm("opd", Family.RL, OPDConfig, distill.opd_objective, prepare=distill.opd_prepare,
+              needs_reference=_kl_reference, distills=True),
     Algorithm("ppo", Family.RL, PPOConfig, ppo.objective, prepare=ppo.prepare,
               carry=ppo.initial_carry, model=ppo.model, optimizer=ppo.optimizer_parts,
               needs_reference=_kl_reference),

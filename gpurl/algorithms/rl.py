@@ -39,6 +39,7 @@ class RLInputs:
     batch: Batch
     rewards: jax.Array  # B: the shaped total of the reward functions per row
     carry: dict[str, jax.Array]  # the algorithm's state between steps (PPO: kl_coef)
+    teacher: Any = None  # a distillation algorithm's frozen `Teacher`; None without one
 
 
 # (algo config, context, inputs) -> (batch the loss reads, metrics, next carry)

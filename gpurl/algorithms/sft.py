@@ -38,7 +38,7 @@ def objective(cfg: SFTConfig, rollout: RolloutConfig) -> Objective:
         nll_BxC, correct_BxC = token_nll(logits_BxCxV, targets_BxC, cfg.label_smoothing)
         return nll_BxC, correct_BxC.astype(jnp.float32)
 
-    def loss(spec, params: Any, batch: Batch, norm: jax.Array):
+    def loss(spec, params: Any, batch: Batch, norm: jax.Array, teacher: Any = None):
         hidden_BxTxD, _ = spec.hidden(params, batch["tokens"], batch["positions"],
                                       batch["segment_ids"])
         targets_BxT, mask_BxT = shifted_targets(batch)

@@ -42,7 +42,7 @@ from gpurl.train.sft import SFTStepper
 from gpurl.train.step import (NonFiniteError, Placement, checkpointed, complete, make_init,
                               make_train_step, placement, scaling_for)
 from gpurl.train.stepper import Setup, Stepper
-from gpurl.train.weights import load_initial
+from gpurl.train.weights import load_initial, load_teacher
 
 STEPPERS: dict[Family, type[Stepper]] = {
     Family.SFT: SFTStepper, Family.RL: RLStepper, Family.PREFERENCE: PreferenceStepper}
@@ -191,13 +191,17 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
     # fp16 (model.dtype=float16): dynamic loss scaling, the scale in the train state
     scaling = scaling_for(model_cfg, cfg.optim)
     place = placement(spec, optimizer, mesh, cfg.mesh.train_rules, scaling)
+    tokenizer = loading.load_tokenizer(model_cfg)
+    # a distillation algorithm's frozen teacher, laid out on the trainer mesh (read later)
+    teacher = (load_teacher(cfg.algo, model_cfg, tokenizer, mesh, cfg.mesh.train_rules)
+               if algorithm.distills else None)
     step_fn = make_train_step(spec, objective, optimizer, place, cfg.train.num_micro_batches,
                               cfg.optim.freeze, skip_nonfinite=cfg.train.on_nonfinite == "skip",
-                              scaling=scaling)
+                              scaling=scaling,
+                              teacher_shardings=teacher.shardings if teacher else None)
     init = make_init(spec, optimizer, place, cfg.train.seed,
                      lambda: load_initial(spec, place.state.params), scaling)
-    setup = Setup(algorithm, cfg.algo, spec, objective, loading.load_tokenizer(model_cfg),
-                  place, step_fn, init)
+    setup = Setup(algorithm, cfg.algo, spec, objective, tokenizer, place, step_fn, init, teacher)
     return cfg, setup, stepper_cls.build(setup, cfg)
 
 
@@ -327,9 +331,12 @@ def _train(cfg: Config, stop: _Stop) -> dict[str, Any]:
                            enabled=main)
         if main:
             _prepare_run_dir(s.run_dir, cfg, resumed, sink.message)
+        teacher = s.stepper.setup.teacher
+        taught = (f", teacher {teacher.cfg.checkpoint} ({count_params(teacher.abstract.params):,} "
+                  f"params, {teacher.cfg.dtype})" if teacher is not None else "")
         sink.message(
-            f"[gpurl] {cfg.algo.name} on {cfg.model.name} ({count_params(state.params):,} params), "
-            f"mesh {dict(s.place.mesh.shape)}, {s.stepper.describe()}, "
+            f"[gpurl] {cfg.algo.name} on {cfg.model.name} ({count_params(state.params):,} params)"
+            f"{taught}, mesh {dict(s.place.mesh.shape)}, {s.stepper.describe()}, "
             + (f"memory per device: {plan_summary(s.plans)}, " if s.plans else "")
             + (f"resuming from step {start}" if resumed else "starting at step 0")
             + f", run dir {s.run_dir}")

@@ -45,7 +45,8 @@ def programs(cfg: Config) -> list[tuple[str, Any, tuple]]:
     cfg, setup, stepper = build(cfg)
     place = setup.place
     train = ("train step", setup.step_fn.jitted,
-             (abstract(place.abstract_state, place.state), sharded(stepper.batch_spec(), place.batch)))
+             (abstract(place.abstract_state, place.state), sharded(stepper.batch_spec(), place.batch),
+              setup.abstract_teacher()))
     return [train, *stepper.programs()]
 
 

@@ -31,7 +31,7 @@ from gpurl.train.stepper import Setup, Stepper
 
 GIB = 2**30
 PARTS = ("parameters", "optimizer state", "gradients", "activations / scratch", "KV cache",
-         "inputs", "resident")
+         "teacher", "inputs", "resident")
 
 
 def shard_bytes(abstract: Any, shardings: Any) -> int:
@@ -138,14 +138,14 @@ def _memory(compiled: Any) -> tuple[float, float, float]:
 
 
 def plan_train_step(step: Program, place: Placement, batch: dict[str, Any], freeze: tuple,
-                    resident: float, limit: float) -> ProgramPlan:
+                    resident: float, limit: float, teacher: Any = None) -> ProgramPlan:
     """Compiles the train step (which the run then uses) and splits its memory: state parts
-    from the shardings, gradients from the trainable parameters, the rest of the scratch
-    as activations."""
+    from the shardings, gradients from the trainable parameters, a distillation teacher
+    (`TeacherWeights`), the rest of the scratch as activations."""
     state = abstract(place.abstract_state, place.state)
     batch = sharded(batch, place.batch)
     t0 = time.perf_counter()
-    compiled = step.compile(state, batch)
+    compiled = step.compile(state, batch, None if teacher is None else teacher.abstract)
     compile_s = time.perf_counter() - t0
     args, temp, outputs = _memory(compiled)
     params = shard_bytes(place.abstract_state.params, place.state.params)
@@ -158,9 +158,12 @@ def plan_train_step(step: Program, place: Placement, batch: dict[str, Any], free
                         [s for s, t in zip(jax.tree.leaves(place.state.params),
                                            jax.tree.leaves(train)) if t])
     grads = min(grads, temp)
+    teacher_bytes = 0.0 if teacher is None else teacher.bytes_per_device()
     parts = {"parameters": params, "optimizer state": opt, "gradients": grads,
              "activations / scratch": temp - grads + outputs,
-             "inputs": max(args - params - opt, 0.0), "resident": resident}
+             "inputs": max(args - params - opt - teacher_bytes, 0.0), "resident": resident}
+    if teacher is not None:  # a distillation teacher: one of the step's arguments
+        parts["teacher"] = teacher_bytes
     return ProgramPlan("train step", parts, compile_s, limit,
                        gpu_programs=_on_gpu([compiled], place.mesh),
                        analysis={"arguments": args, "temp": temp, "outputs": outputs})
@@ -194,7 +197,7 @@ def memory_plan(cfg: Config, setup: Setup, stepper: Stepper) -> list[ProgramPlan
     local = [d for d in setup.place.mesh.devices.flat if d.process_index == jax.process_index()]
     limit, source = device_memory(cfg.plan, local[0])
     train = plan_train_step(setup.step_fn, setup.place, stepper.batch_spec(), cfg.optim.freeze,
-                            stepper.resident_bytes(), limit)
+                            stepper.resident_bytes(), limit, setup.teacher)
     plans = [train] + [p for p in [stepper.rollout_plan(limit)] if p is not None]
     mesh = setup.place.mesh  # the rollout's resident part is the train state: its mesh
     for p in plans:

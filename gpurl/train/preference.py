@@ -155,7 +155,7 @@ class PreferenceStepper(Stepper):
             batch, static = self._pack(batch, indices)
         if self.reference:
             batch["ref_logps"] = self._logps(self._reference(state.params), batch)[0]
-        return self.setup.step_fn(state, batch, *static)
+        return self.setup.step_fn(state, batch, None, *static)
 
     def _pack(self, batch: dict[str, jax.Array], indices: np.ndarray
               ) -> tuple[dict[str, jax.Array], tuple[int, ...]]:

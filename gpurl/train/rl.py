@@ -173,7 +173,8 @@ class RLStepper(Stepper):
         rm = (abstract(self.reward_spec.abstract_params, self._rm_shardings)
               if self.reward_spec is not None else None)
         rows = self.train.batch_size * self.algo.num_generations
-        return (params, ref, rm, collected, jax.ShapeDtypeStruct((rows,), jnp.float32), self.carry)
+        return (params, ref, rm, self.setup.abstract_teacher(), collected,
+                jax.ShapeDtypeStruct((rows,), jnp.float32), self.carry)
 
     def programs(self) -> list[tuple[str, Any, tuple]]:
         """The prepare step (old, reference and reward-model log-probs, advantages) and the
@@ -192,8 +193,8 @@ class RLStepper(Stepper):
         return rows // runtime.process_count(), self.engine.plan_width, group
 
     def _frozen_bytes(self) -> float:
-        """The reference and the reward model, per trainer device."""
-        place, total = self.setup.place, 0.0
+        """The reference, the reward model and a distillation teacher, per trainer device."""
+        place, total = self.setup.place, self._teacher_bytes()
         if self.own_ref:
             total += shard_bytes(self.setup.spec.policy_params(place.abstract_state.params),
                                  self.setup.spec.policy_params(place.state.params))
@@ -216,9 +217,15 @@ class RLStepper(Stepper):
                 copy += nbytes
         return copy, alias
 
+    def _teacher_bytes(self) -> float:
+        teacher = self.setup.teacher
+        return 0.0 if teacher is None else teacher.bytes_per_device()
+
     def resident_bytes(self) -> float:
-        """Beside the train step: the frozen models and, colocated, the sampling copy."""
-        return self._frozen_bytes() + (self._sampling_copy()[0] if self.sync.colocated else 0.0)
+        """Beside the train step: the frozen models and, colocated, the sampling copy (a
+        teacher is one of the train step's arguments: the plan counts it there)."""
+        return (self._frozen_bytes() - self._teacher_bytes()
+                + (self._sampling_copy()[0] if self.sync.colocated else 0.0))
 
     def rollout_plan(self, limit: float) -> ProgramPlan:
         """The sampling program of a rollout round (batch_size x G rows at the run's prompt
@@ -286,13 +293,15 @@ class RLStepper(Stepper):
         return jax.make_array_from_process_local_data(self.setup.place.batch, local)
 
     def _prepare_fn(self, ctx: RLContext, params: Any, ref_params: Any, rm_params: Any,
-                    batch: dict, rewards_B: jax.Array, carry: dict) -> tuple[dict, dict, dict]:
+                    teacher: Any, batch: dict, rewards_B: jax.Array, carry: dict
+                    ) -> tuple[dict, dict, dict]:
         if "pack/source" in batch:  # the packed rows' tokens, from the plan's indices
             batch = packing.gather(batch, self.pad_id)
         if self.base_ref:
             ref_params = lora.disabled(ctx.spec.policy_params(params))
         return self.setup.algorithm.prepare(
-            self.algo, ctx, RLInputs(params, ref_params, rm_params, batch, rewards_B, carry))
+            self.algo, ctx, RLInputs(params, ref_params, rm_params, batch, rewards_B, carry,
+                                     teacher))
 
     def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
         params, t_sync = self._sync(state)
@@ -307,11 +316,12 @@ class RLStepper(Stepper):
             plan = self._pack(got.batch)
             collected = {**got.batch, **packing.put(plan, self.setup.place.batch)}
             static = (plan.num_micro,) if plan.num_micro > 1 else ()  # 1: as planned
+        teacher = self.setup.frozen_teacher()
         batch, prepared, self.carry = self._prepare(state.params, self.ref_params, self.rm_params,
-                                                    collected, got.rewards, self.carry)
+                                                    teacher, collected, got.rewards, self.carry)
         nonfinite = 0.0
         for _ in range(self.algo.num_iterations):
-            state, metrics = self.setup.step_fn(state, batch, *static)  # dispatched, not awaited
+            state, metrics = self.setup.step_fn(state, batch, teacher, *static)  # dispatched, not awaited
             nonfinite = nonfinite + metrics["nonfinite"]  # updates left out, all iterations
         self._timer = DeviceTimer(nonfinite, start=got.assembled_at)  # assembly + prepare + train
         metrics = {**metrics, **prepared, **got.metrics, "nonfinite": nonfinite,

@@ -35,7 +35,8 @@ class SFTStepper(Stepper):
         self.evals: TokenRows | None = (encode_sft(eval_examples, setup.tokenizer, data)
                                         if eval_examples else None)
         self.has_eval = self.evals is not None
-        self._eval_fn = make_eval_step(setup.spec, setup.objective, setup.place)
+        self._eval_fn = make_eval_step(setup.spec, setup.objective, setup.place,
+                                       setup.teacher.shardings if setup.teacher else None)
 
     def describe(self) -> str:
         return f"{len(self.rows)} train rows ({self.rows.num_truncated} truncated)"
@@ -43,7 +44,8 @@ class SFTStepper(Stepper):
     def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
         indices = step_indices(len(self.rows), self.train.batch_size, step, self.train.seed)
         local = process_rows(indices, runtime.process_index(), runtime.process_count())
-        return self.setup.step_fn(state, self.setup.to_global(take(self.rows, local)))
+        return self.setup.step_fn(state, self.setup.to_global(take(self.rows, local)),
+                                  self.setup.frozen_teacher())
 
     def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         rows = take(self.rows, np.arange(1))
@@ -53,17 +55,20 @@ class SFTStepper(Stepper):
     def programs(self) -> list[tuple[str, Any, tuple]]:
         place = self.setup.place
         return [("eval step", self._eval_fn, (abstract(place.abstract_state.params, place.state.params),
-                                              sharded(self.batch_spec(), place.batch)))]
+                                              sharded(self.batch_spec(), place.batch),
+                                              self.setup.abstract_teacher()))]
 
     def evaluate(self, params) -> dict[str, float]:
         totals: dict[str, float] = {}
         rank, count = runtime.process_index(), runtime.process_count()
         for batch in eval_batches(self.evals, self.train.eval_batch_size):
             local = {k: v[process_rows(np.arange(len(v)), rank, count)] for k, v in batch.items()}
-            metrics = self._eval_fn(params, self.setup.to_global(local))
+            metrics = self._eval_fn(params, self.setup.to_global(local), self.setup.frozen_teacher())
             for k, v in jax.device_get(metrics).items():
                 totals[k] = totals.get(k, 0.0) + float(v)
         tokens = max(totals.pop("tokens", 0.0), 1.0)
         out = {f"eval/{k}": v / tokens for k, v in totals.items()}
-        out["eval/perplexity"] = float(np.exp(min(out.get("eval/loss", 0.0), 50.0)))
+        # the data's cross-entropy: the loss of SFT, a part of logit distillation's
+        nll = out.get("eval/nll", out.get("eval/loss", 0.0))
+        out["eval/perplexity"] = float(np.exp(min(nll, 50.0)))
         return out

@@ -1,4 +1,5 @@
-"""Train state and the jitted step: `(state, batch) -> (state, metrics)`.
+"""Train state and the jitted step: `(state, batch, teacher) -> (state, metrics)` (teacher:
+a distillation algorithm's frozen `Teacher`, None otherwise).
 
 Micro-batch gradient accumulation runs as a `lax.scan` inside the one jitted call; each
 micro-batch takes rows strided across the batch so that every device works on every
@@ -159,8 +160,8 @@ def _split_micro(batch: Batch, num_micro: int, rows: NamedSharding) -> Batch:
 
 def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, num_micro: int,
                      params: Params, batch: Batch, trainable: Any = None,
-                     rng: jax.Array | None = None, loss_scale: jax.Array | None = None
-                     ) -> tuple[Params, dict]:
+                     rng: jax.Array | None = None, loss_scale: jax.Array | None = None,
+                     teacher: Any = None) -> tuple[Params, dict]:
     """Gradient of the global-batch loss, summed over micro-batches in a `lax.scan`.
 
     Each micro-batch's loss is its share of the global loss (normalizer computed once on
@@ -169,7 +170,8 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
     a frozen tied embedding then costs no vocabulary-sized gradient matmul. `rng` (a key)
     seeds LoRA dropout, a different mask in every micro-batch. With `loss_scale` (fp16)
     the loss is multiplied by it before the backward pass and the summed gradient divided
-    by it in float32; the metrics keep the unscaled loss."""
+    by it in float32; the metrics keep the unscaled loss. `teacher` (a distillation
+    algorithm's frozen model) reaches the loss as it is, never differentiated."""
     norm = objective.normalizer(batch)
     if trainable is None:
         trainable = jax.tree.map(lambda _: True, params)
@@ -184,9 +186,9 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
     def unscaled_loss(train_p, micro: Batch):
         full = jax.tree.map(lambda a, b: b if a is None else a, train_p, frozen_p, is_leaf=is_none)
         if not experts.num_experts:
-            return objective.loss(spec, full, micro, norm)
+            return objective.loss(spec, full, micro, norm, teacher)
         with moe.collect() as found:  # the router terms of the forward passes of this loss
-            loss, metrics = objective.loss(spec, full, micro, norm)
+            loss, metrics = objective.loss(spec, full, micro, norm, teacher)
         return moe.add_router_terms(loss, metrics, found, experts, 1.0 / num_micro)
 
     def loss_of_trainable(train_p, micro: Batch):
@@ -261,8 +263,11 @@ class Program:
 
 def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.GradientTransformation,
                     place: Placement, num_micro: int, freeze: tuple[str, ...] = (),
-                    skip_nonfinite: bool = False, scaling: Scaling | None = None) -> Program:
-    """The jitted step. Its metrics hold `nonfinite` (1.0 when the loss or the gradient
+                    skip_nonfinite: bool = False, scaling: Scaling | None = None,
+                    teacher_shardings: Any = None) -> Program:
+    """The jitted step `(state, batch, teacher, num_micro=None)`; `teacher_shardings` are
+    those of a distillation algorithm's frozen `Teacher` (None: the step takes None).
+    Its metrics hold `nonfinite` (1.0 when the loss or the gradient
     norm is NaN or infinite); with `skip_nonfinite` such an update is left out: parameters
     and optimizer state come back unchanged (the step counter and RNG still advance).
     With `scaling` (fp16; the state holds a `LossScale`) a non-finite gradient of a finite
@@ -270,7 +275,7 @@ def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.Grad
     step is not `nonfinite`; metrics `loss_scale` (the scale the step used) and `overflow`."""
     default_micro = num_micro
 
-    def step(state: TrainState, batch: Batch, num_micro: int | None = None
+    def step(state: TrainState, batch: Batch, teacher: Any, num_micro: int | None = None
              ) -> tuple[TrainState, dict]:
         if num_micro is None:  # packed batches say theirs (`gpurl.data.packing.Plan`)
             num_micro = 1 if packing.is_packed(batch) else default_micro
@@ -280,7 +285,7 @@ def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.Grad
         key, dropout_key = jax.random.split(jax.random.wrap_key_data(state.rng))
         scale = None if state.loss_scale is None else state.loss_scale.scale
         grads, metrics = accumulate_grads(spec, objective, place, num_micro, state.params, batch,
-                                          train, dropout_key, scale)
+                                          train, dropout_key, scale, teacher)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["update_norm"] = optax.tree.norm(updates)
@@ -307,18 +312,22 @@ def make_train_step(spec: ModelSpec, objective: Objective, optimizer: optax.Grad
                                rng=jax.random.key_data(key), loss_scale=loss_scale)
         return new_state, metrics
 
-    return Program(jit_rows(step, place, in_shardings=(place.state, place.batch),
+    return Program(jit_rows(step, place, in_shardings=(place.state, place.batch,
+                                                     teacher_shardings),
                             out_shardings=(place.state, replicated(place.mesh)), donate_argnums=0,
-                            static_argnums=2))
+                            static_argnums=3))
 
 
-def make_eval_step(spec: ModelSpec, objective: Objective, place: Placement) -> Callable:
-    """Additive eval metrics of one batch (normalizer 1: the caller divides by the total)."""
-    def step(params: Params, batch: Batch) -> dict:
-        _, metrics = objective.loss(spec, params, batch, jnp.float32(1.0))
+def make_eval_step(spec: ModelSpec, objective: Objective, place: Placement,
+                   teacher_shardings: Any = None) -> Callable:
+    """Additive eval metrics of one batch, `(params, batch, teacher)` (normalizer 1: the
+    caller divides by the total); `teacher_shardings` as in `make_train_step`."""
+    def step(params: Params, batch: Batch, teacher: Any) -> dict:
+        _, metrics = objective.loss(spec, params, batch, jnp.float32(1.0), teacher)
         return metrics
 
-    return jit_rows(step, place, in_shardings=(place.state.params, place.batch),
+    return jit_rows(step, place, in_shardings=(place.state.params, place.batch,
+                                               teacher_shardings),
                     out_shardings=replicated(place.mesh))
 
 

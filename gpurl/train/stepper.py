@@ -31,8 +31,19 @@ class Setup:
     objective: Objective
     tokenizer: Tokenizer
     place: Placement  # where state and batches live on the trainer mesh
-    step_fn: Callable[[TrainState, dict], tuple[TrainState, dict]]  # the jitted train step
+    # the jitted train step (state, batch, teacher, num_micro=None) -> (state, metrics)
+    step_fn: Callable[..., tuple[TrainState, dict]]
     init: Callable[[], TrainState]  # a fresh state (initial weights, new optimizer)
+    teacher: Any = None  # a distillation algorithm's `TeacherWeights`; None without one
+
+    def frozen_teacher(self) -> Any:
+        """The teacher the train step takes: its parameters (read at the first call), or
+        None without one."""
+        return None if self.teacher is None else self.teacher.value
+
+    def abstract_teacher(self) -> Any:
+        """The teacher's abstract arguments for compiling ahead of time; None without one."""
+        return None if self.teacher is None else self.teacher.abstract
 
     def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Each process passes only its own rows; JAX assembles the global sharded batch."""
