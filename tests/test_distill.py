@@ -111,8 +111,9 @@ def test_chunked_pair_head_equals_the_whole_vocabulary_and_its_gradient():
     chunked divergence and its gradient in the student's weights and states equal those
     from the whole B x T x V logits; the teacher gets no gradient."""
     rng = np.random.default_rng(1)
-    ws, wt = jnp.asarray(rng.normal(0, 1, (40, 8)), jnp.float32), jnp.asarray(rng.normal(0, 1, (40, 12)), jnp.float32)
-    hs, ht = jnp.asarray(rng.normal(0, 1, (2, 7, 8)), jnp.float32), jnp.asarray(rng.normal(0, 1, (2, 7, 12)), jnp.float32)
+    normal = lambda *shape: jnp.asarray(rng.normal(0, 1, shape), jnp.float32)  # noqa: E731
+    ws, wt = normal(40, 8), normal(40, 12)
+    hs, ht = normal(2, 7, 8), normal(2, 7, 12)
     targets = jnp.asarray(rng.integers(0, 40, (2, 7)), jnp.int32)
     head = lambda w, h: h @ w.T  # noqa: E731
 
@@ -336,3 +337,29 @@ def test_logit_distillation_lowers_the_held_out_kl_to_the_teacher(tmp_path, shar
         state, _ = stepper.step(state, step)
     after = stepper.evaluate(state.params)[key]
     assert after < 0.5 * before, (before, after)
+
+
+@pytest.mark.e2e
+def test_on_policy_distillation_on_multi_turn_trajectories(tmp_path, sharp_teacher):
+    """The student plays guess-the-number for up to 3 turns; the teacher scores the
+    student's own tokens (observations carry no signal): the run completes with the
+    environment's metrics and a finite, positive distillation signal."""
+    import json
+
+    from gpurl.train.loop import train
+
+    cfg = make_config(
+        algo={"name": "opd", "num_generations": 2, "teacher": str(sharp_teacher)},
+        model=STUDENT, logger={"progress": False}, run={"dir": str(tmp_path / "opd")},
+        data={"name": "guess_number", "num_train": 32, "num_eval": 0, "max_len": 256, "few_shot": 1},
+        optim={"lr": 1e-3, "warmup_steps": 0, "decay": "constant"},
+        train={"steps": 2, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0},
+        rollout={"max_new_tokens": 4, "stop": ["\n"]},
+        env={"name": "guess_number", "max_turns": 3, "max_tokens": 32})
+    train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "opd/metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in rows if "env/turns" in x]
+    assert len(steps) == 2
+    for x in steps:
+        assert np.isfinite([x["loss"], x["grad_norm"]]).all() and x["distill/reverse_kl"] > 0
+        assert x["env/observation_tokens"] > 0 and 1 <= x["env/turns"] <= 3

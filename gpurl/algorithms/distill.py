@@ -39,7 +39,8 @@ import jax.numpy as jnp
 
 from gpurl.algorithms import grpo
 from gpurl.algorithms.choices import Choices
-from gpurl.algorithms.forward import group_logprobs, group_states, shifted_targets, states_logprobs, states_pair
+from gpurl.algorithms.forward import (group_logprobs, group_states, shifted_targets,
+                                      states_logprobs, states_pair)
 from gpurl.algorithms.objective import Batch, Objective, Teacher
 from gpurl.algorithms.policy_gradient import aggregate, flat_rows, policy_loss, token_normalizer
 from gpurl.algorithms.rl import RLContext, RLInputs
@@ -277,11 +278,11 @@ def kd_objective(cfg: KDConfig, rollout: RolloutConfig) -> Objective:
         inputs = (batch["tokens"], batch["positions"], batch["segment_ids"])
         hidden_BxTxD, _ = spec.hidden(params, *inputs)
         with moe.collect():  # the teacher's router statistics are not the student's
-            teacher_BxTxE = jax.lax.stop_gradient(teacher.spec.hidden(teacher.params, *inputs)[0])
+            teacher_BxTxD = jax.lax.stop_gradient(teacher.spec.hidden(teacher.params, *inputs)[0])
         targets_BxT, mask_BxT = shifted_targets(batch)
         div_BxT, nll_BxT, correct_BxT = chunked_pair_head(
             spec.logits, params, hidden_BxTxD[:, :-1], teacher.spec.logits, teacher.params,
-            teacher_BxTxE[:, :-1], targets_BxT, stats)
+            teacher_BxTxD[:, :-1], targets_BxT, stats)
         loss_sum = (((1.0 - weight) * div_BxT + weight * nll_BxT) * mask_BxT).sum()
         metrics = {"loss": loss_sum / norm, name: (div_BxT * mask_BxT).sum() / norm,
                    "nll": (nll_BxT * mask_BxT).sum() / norm,

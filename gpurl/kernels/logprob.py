@@ -144,27 +144,27 @@ def chunked_head(logits_fn: LogitsFn, params: Any, hidden_BxTxD: jax.Array,
 
 
 def chunked_pair_head(student_fn: LogitsFn, student_params: Any, student_BxTxD: jax.Array,
-                      teacher_fn: LogitsFn, teacher_params: Any, teacher_BxTxE: jax.Array,
+                      teacher_fn: LogitsFn, teacher_params: Any, teacher_BxTxD: jax.Array,
                       targets_BxT: jax.Array, stats: Callable[..., tuple[jax.Array, ...]],
                       chunk_size: int | None = None) -> tuple[jax.Array, ...]:
     """`stats((student logits_BxCxV, teacher logits_BxCxV), targets_BxC)` over all T tokens
     (`chunked_head`), with two heads' logits of at most ~`chunk_size` tokens alive at once:
     a distillation loss over the whole vocabulary. Both models read the same token ids
-    (one vocabulary); their widths D and E may differ. The teacher's side is a constant
+    (one vocabulary); their widths (D each) may differ. The teacher's side is a constant
     (stop-gradient), so the backward pass recomputes only the student's head per chunk
     besides the teacher's forward one. None picks half of `default_chunk_size(V)`."""
     if chunk_size is None:
         vocab = jax.eval_shape(student_fn, student_params, student_BxTxD[:1, :1]).shape[-1]
         chunk_size = max(default_chunk_size(vocab) // 2, 16)
     width = student_BxTxD.shape[-1]
-    dtype = jnp.promote_types(student_BxTxD.dtype, teacher_BxTxE.dtype)
-    both_BxTxDE = jnp.concatenate([student_BxTxD.astype(dtype),
-                                   jax.lax.stop_gradient(teacher_BxTxE).astype(dtype)], axis=-1)
+    dtype = jnp.promote_types(student_BxTxD.dtype, teacher_BxTxD.dtype)
+    pair_BxTxD = jnp.concatenate([student_BxTxD.astype(dtype),
+                                   jax.lax.stop_gradient(teacher_BxTxD).astype(dtype)], axis=-1)
 
     def logits_fn(params: tuple, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
         student = student_fn(params[0], hidden[..., :width].astype(student_BxTxD.dtype))
-        teacher = teacher_fn(params[1], hidden[..., width:].astype(teacher_BxTxE.dtype))
+        teacher = teacher_fn(params[1], hidden[..., width:].astype(teacher_BxTxD.dtype))
         return student, jax.lax.stop_gradient(teacher)
 
-    return chunked_head(logits_fn, (student_params, teacher_params), both_BxTxDE, targets_BxT,
+    return chunked_head(logits_fn, (student_params, teacher_params), pair_BxTxD, targets_BxT,
                         stats, chunk_size)
