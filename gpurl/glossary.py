@@ -1,7 +1,10 @@
 """Shape letters: the suffix of an array's name lists its axes, `logits_BxTxV`.
 
-Every module of gpurl names arrays with these letters only, and each letter means one
-thing everywhere (tests/test_glossary.py reads every name in gpurl/ and checks it).
+Every module of gpurl names arrays with these letters, and each letter means one thing
+everywhere (tests/test_glossary.py reads every name in gpurl/ and checks it). The glossary
+keeps the letters that several modules use; a letter that one module alone uses is
+declared in that module's docstring, on a line of its own,
+`Shape letter R: rotary frequencies of a head (E / 2).`, and means that only there.
 Digits are literal sizes (`scores_Px2`: chosen, rejected; `last_Bx1`), and `N1` is N + 1
 (the states before each of N tokens and after the last). A per-shard function's B is
 that shard's rows.
@@ -16,14 +19,12 @@ that shard's rows.
     K  key/value heads (H % K == 0)
     Q  query heads that share one key/value head (H / K)
     F  hidden width of the MLP (mlp_dim)
-    R  rotary frequencies of a head (E / 2)
     V  vocabulary
     L  decoder layers (in routing replay's arrays: the sparse layers)
     P  prompts of a grouped batch: RL groups, preference pairs
     G  completions per prompt (GRPO's group; the k samples of pass@k)
     N  completion token slots (rollout.max_new_tokens)
     W  width of a padded prompt
-    M  micro-batches of a step
     C  tokens of a chunk of each row (chunked log-probs; a packed row's slots that
        predict completion tokens)
     J  chunks
@@ -41,9 +42,9 @@ that shard's rows.
 LETTERS = {
     "B": "batch rows", "T": "token positions", "S": "key/value slots", "D": "model width",
     "E": "head width", "H": "query heads", "K": "key/value heads", "Q": "query heads per kv head",
-    "F": "MLP width", "R": "rotary frequencies", "V": "vocabulary", "L": "layers",
+    "F": "MLP width", "V": "vocabulary", "L": "layers",
     "P": "prompts", "G": "completions per prompt", "N": "completion slots",
-    "W": "prompt width", "M": "micro-batches", "C": "chunk tokens",
+    "W": "prompt width", "C": "chunk tokens",
     "J": "chunks", "X": "examples", "Z": "concatenated tokens",
     "A": "data shards", "Y": "KV pool blocks", "U": "tokens per KV block", "I": "block-table entries",
     "O": "experts",

@@ -51,6 +51,20 @@ def _imports(path: Path) -> tuple[set[str], list[str]]:
     return top, local
 
 
+# The layers of ../shared/ARCHITECTURE.md (Boundaries), lowest first: a module imports only
+# from its own layer or lower ones (the models read the logical-axis rules from
+# gpurl/models/axes.py, never from distributed/).
+LAYERS = [("config", "glossary", "user_code"), ("kernels",), ("models",), ("distributed",),
+          ("data", "envs", "rewards"), ("rollout", "algorithms"), ("train",), ("commands",),
+          ("cli",)]
+
+
+def _layer(module: str) -> int | None:
+    top = module.split(".")[1] if "." in module else ""
+    top = "cli" if top == "config_docs" else "config" if top.startswith("config") else top
+    return next((i for i, names in enumerate(LAYERS) if top in names), None)
+
+
 def test_imports_run_one_way_with_no_circle_and_none_inside_functions():
     modules = _modules()
 
@@ -77,6 +91,9 @@ def test_imports_run_one_way_with_no_circle_and_none_inside_functions():
         and not edges["gpurl.config_checks"], ("gpurl/config.py must import nothing from gpurl "
                                                "but its leaves config_checks.py, config_env.py, "
                                                "config_data.py and config_algo.py")
+    upward = [f"{m} -> {t}" for m in edges for t in edges[m]
+              if _layer(m) is not None and _layer(t) is not None and _layer(t) > _layer(m)]
+    assert not upward, f"imports against the layers (LAYERS, lowest first): {upward}"
     state: dict[str, int] = {}
 
     def visit(node: str, trail: list[str]) -> None:

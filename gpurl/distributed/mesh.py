@@ -1,9 +1,9 @@
-"""Trainer mesh and the mapping from logical parameter axes to mesh axes.
+"""Trainer mesh and placement.
 
 Only this package calls `jax.devices()` or builds a `Mesh` (`job_devices()`: JAX's, or the
 compile-only GPUs of `gpurl.distributed.targets` inside `using_devices`). Rules come from
-`mesh.train_rules`: a logical axis maps to one or more mesh axes; a dimension whose size
-does not divide by the mesh axes is replicated instead (tiny models on many devices).
+`mesh.train_rules`: a logical axis maps to one or more mesh axes
+(`gpurl.models.axes`, which `Rules`, `logical_spec` and `tree_shardings` here re-export).
 """
 
 from __future__ import annotations
@@ -11,16 +11,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.config import ConfigError, MeshConfig
+from gpurl.models.axes import Rules, logical_spec, tree_shardings
+
+__all__ = ["Rules", "logical_spec", "tree_shardings"]  # re-exported: imported from here too
 
 TRAIN_AXES = ("data", "fsdp", "expert", "tp")
-Rules = Mapping[str, Sequence[str]]
 
 _DEVICES: contextvars.ContextVar[list[jax.Device] | None] = contextvars.ContextVar(
     "devices", default=None)
@@ -98,28 +100,6 @@ def placement_devices(cfg: MeshConfig) -> tuple[list[jax.Device], list[jax.Devic
         rollout += local[:per]
         train += local[per:]
     return train, rollout
-
-
-def logical_spec(axes: Sequence[str | None], shape: Sequence[int], rules: Rules,
-                 mesh: Mesh) -> P:
-    """PartitionSpec for one array; a mesh axis is used at most once per array."""
-    used: set[str] = set()
-    spec: list[Any] = []
-    for name, dim in zip(axes, shape):
-        mesh_axes = [a for a in rules.get(name, ()) if a not in used and mesh.shape[a] > 1]
-        if not mesh_axes or dim % math.prod(mesh.shape[a] for a in mesh_axes):
-            spec.append(None)
-            continue
-        used.update(mesh_axes)
-        spec.append(tuple(mesh_axes) if len(mesh_axes) > 1 else mesh_axes[0])
-    return P(*spec)
-
-
-def tree_shardings(abstract: Any, logical_axes: Any, rules: Rules, mesh: Mesh) -> Any:
-    """NamedShardings for a pytree given a same-structured pytree of logical axes."""
-    return jax.tree.map(
-        lambda x, axes: NamedSharding(mesh, logical_spec(axes, x.shape, rules, mesh)),
-        abstract, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def held_bytes(abstract: Any) -> float:

@@ -7,7 +7,8 @@ import re
 from typing import Any
 
 from gpurl.config import ConfigError
-from gpurl.envs.base import Environment, Step, import_object
+from gpurl.envs.base import Environment, Step
+from gpurl.user_code import import_object
 from gpurl.envs.tools import ToolEnvironment
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -61,7 +62,8 @@ def resolve(name: str) -> type:
     """A built-in environment class by name, or a user class written as "pkg.module:Name"."""
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]
-    cls = import_object(name, f"environment ({', '.join(ENVIRONMENTS)})", "env.name")
+    cls = import_object(name, f"env.name={name!r}",
+                        f"a built-in environment ({', '.join(ENVIRONMENTS)})")
     if not (isinstance(cls, type) and issubclass(cls, Environment)) and not (
             callable(cls) and hasattr(cls, "step")):
         raise ConfigError(f"env.name={name!r} is not an environment class; subclass "

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from gpurl.config import ConfigError
-from gpurl.envs.base import Environment, Step, import_object
+from gpurl.envs.base import Environment, Step
+from gpurl.user_code import import_object
 from gpurl.envs.formats import FORMATS, ToolCallError, ToolFormat
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean",
@@ -121,7 +122,8 @@ def load_tools(names: Sequence[str]) -> list[Tool]:
     tools = []
     for name in names:
         fn = (BUILTIN_TOOLS[name] if name in BUILTIN_TOOLS else
-              import_object(name, f"tool ({', '.join(BUILTIN_TOOLS)})", "env.tools"))
+              import_object(name, f"env.tools entry {name!r}",
+                            f"a built-in tool ({', '.join(BUILTIN_TOOLS)})"))
         if not callable(fn):
             raise ConfigError(f"env.tools entry {name!r} is not callable; point it at a function.")
         short = name.rpartition(":")[2]

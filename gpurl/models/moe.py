@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from gpurl.config import ConfigError, ModelConfig, MoEConfig
-from gpurl.distributed.mesh import logical_spec
+from gpurl.models.axes import logical_spec
 from gpurl.kernels.grouped_matmul import grouped_matmul, resolve, tile_layout, tiled_matmul
 from gpurl.models.layers import ACTIVATIONS, Layout, layout, param
 

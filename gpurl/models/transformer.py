@@ -1,7 +1,7 @@
 """One decoder-only transformer (Flax NNX); model families differ only by `ModelConfig`.
 
 Every parameter carries `logical_axes` metadata ("vocab", "embed", "mlp", "heads",
-"kv_heads", "head_dim", "norm", and "layers" for the stacked blocks); `gpurl.distributed.mesh`
+"kv_heads", "head_dim", "norm", and "layers" for the stacked blocks); `gpurl.models.axes`
 maps them to mesh axes. Norms are RMSNorm with a (1 + w) scale and a zero init (Gemma's
 convention).
 
@@ -12,6 +12,8 @@ the backward pass keeps of each layer (`REMAT_POLICIES`). Stacks whose layers di
 per-layer kind, and each layer's attention takes its kind's static settings by
 `lax.switch`. Caches follow the layers: a sampling `KVCache` is carried through the scan
 and written in place; a training forward's `PromptKV` is scanned with the layers.
+
+Shape letter R: rotary frequencies of a head (E / 2).
 """
 
 from __future__ import annotations

@@ -6,15 +6,12 @@ per completion. Several functions combine as a weighted sum.
 
 A function that raises, returns the wrong number of values or runs past its timeout
 either stops the run (`rewards.on_error=stop`: `RewardError` naming it and the row) or
-scores the rows it failed on 0 (`zero`; they are counted). The timeout runs the function
-in a daemon thread and stops waiting for it; Python cannot kill a thread, so a hung call
-keeps its thread (and whatever it holds) until it returns or the process exits.
+scores the rows it failed on 0 (`zero`; they are counted). User functions are imported
+and timed by `gpurl.user_code` (a hung call keeps its daemon thread until it returns).
 """
 
 from __future__ import annotations
 
-import importlib
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -22,6 +19,7 @@ import numpy as np
 
 from gpurl.config import ConfigError, RewardsConfig
 from gpurl.rewards.builtin import BUILTIN
+from gpurl.user_code import Timeout, call_with_timeout, import_object
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -34,15 +32,7 @@ def resolve(name: str) -> RewardFn:
     """A built-in reward by name, or a user function written as "pkg.module:function"."""
     if name in BUILTIN:
         return BUILTIN[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"reward {name!r} is neither built in ({', '.join(BUILTIN)}) nor "
-                          f"written as 'pkg.module:function'; fix the name.")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"reward {name!r} could not be imported ({e}); make the module "
-                          f"importable (e.g. on PYTHONPATH) and check the function name.") from None
+    fn = import_object(name, f"reward {name!r}", f"built in ({', '.join(BUILTIN)})")
     if not callable(fn):
         raise ConfigError(f"reward {name!r} is not callable; point it at a function.")
     return fn
@@ -111,10 +101,6 @@ def score_rows(rewards: Sequence[Reward], prompts: Sequence[str], completions: S
     return Scores(total, parts, errors)
 
 
-class _Timeout(Exception):
-    pass
-
-
 class _WrongShape(Exception):
     def __init__(self, size: int):
         super().__init__(size)
@@ -123,30 +109,12 @@ class _WrongShape(Exception):
 
 def _call(reward: Reward, prompts: list[str], completions: list[str],
           metadata: dict[str, Sequence[Any]]) -> np.ndarray:
-    """The function's scores as float64: raises what it raises, `_Timeout` when it runs past
+    """The function's scores as float64: raises what it raises, `Timeout` when it runs past
     `reward.timeout_s`, or `_WrongShape`."""
     def run() -> np.ndarray:
         return np.asarray(reward.fn(prompts, completions, **metadata), np.float64)
 
-    if reward.timeout_s > 0:
-        out: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                out["value"] = run()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                out["error"] = e
-
-        thread = threading.Thread(target=target, name=f"reward {reward.name}", daemon=True)
-        thread.start()
-        thread.join(reward.timeout_s)
-        if thread.is_alive():
-            raise _Timeout()
-        if "error" in out:
-            raise out["error"]
-        values = out["value"]
-    else:
-        values = run()
+    values = call_with_timeout(run, reward.timeout_s, f"reward {reward.name}")
     if values.shape != (len(completions),):
         raise _WrongShape(values.size)
     return values
@@ -158,7 +126,7 @@ def _score_one(reward: Reward, prompts: list[str], completions: list[str],
     n = len(completions)
     try:
         return _call(reward, prompts, completions, metadata), np.zeros(n, bool)
-    except _Timeout:
+    except Timeout:
         if reward.on_error == "zero":
             return np.zeros(n), np.ones(n, bool)  # rows one by one could wait n timeouts
         raise RewardError(
@@ -192,7 +160,7 @@ def _row_by_row(reward: Reward, prompts, completions, metadata) -> tuple[np.ndar
         try:
             values[i] = _call(reward, *_one_row(i, prompts, completions, metadata))[0]
             failed[i] = False
-        except _Timeout:
+        except Timeout:
             break
         except Exception:  # noqa: BLE001
             continue
@@ -206,6 +174,6 @@ def _failing_row(reward: Reward, prompts, completions, metadata) -> int | None:
             _call(reward, *_one_row(i, prompts, completions, metadata))
         except _WrongShape:
             continue
-        except Exception:  # noqa: BLE001 - _Timeout included: that row hangs
+        except Exception:  # noqa: BLE001 - Timeout included: that row hangs
             return i
     return None

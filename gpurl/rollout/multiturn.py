@@ -27,7 +27,8 @@ import numpy as np
 
 from gpurl.config import ConfigError, EnvConfig
 from gpurl.envs import Environment, EnvError, Step, ToolEnvironment, load_tools, resolve
-from gpurl.envs.base import Observation, Timeout, call_with_timeout
+from gpurl.envs.base import Observation
+from gpurl.user_code import Timeout, call_with_timeout
 from gpurl.envs.formats import FORMATS
 from gpurl.envs.tools import ToolRaised
 from gpurl.models.tokenizer import Tokenizer

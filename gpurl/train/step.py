@@ -4,6 +4,8 @@ a distillation algorithm's frozen `Teacher`, None otherwise).
 Micro-batch gradient accumulation runs as a `lax.scan` inside the one jitted call; each
 micro-batch takes rows strided across the batch so that every device works on every
 micro-batch. Shardings are explicit on both sides and the old state is donated.
+
+Shape letter M: micro-batches of a step.
 """
 
 from __future__ import annotations
