@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpurl import config_docs
+from gpurl.cli import config_docs
 from gpurl.config import OptimConfig, RolloutConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ def test_configuration_reference_is_current():
     on_disk = (ROOT / "docs" / "configuration.md").read_text()
     assert on_disk == config_docs.render(), (
         "docs/configuration.md is stale (gpurl/config.py or configs/ changed); regenerate it "
-        "with `python -m gpurl.config_docs` and commit the result.")
+        "with `python -m gpurl.cli.config_docs` and commit the result.")
 
 
 def test_field_comments_are_the_docs():
@@ -51,7 +51,7 @@ def test_check_mode_reports_a_stale_file(tmp_path, capsys):
     stale = tmp_path / "configuration.md"
     stale.write_text("old\n")
     assert config_docs.main(["--check", str(stale)]) == 1
-    assert "python -m gpurl.config_docs" in capsys.readouterr().err
+    assert "python -m gpurl.cli.config_docs" in capsys.readouterr().err
     assert config_docs.main([str(stale)]) == 0
     assert config_docs.main(["--check", str(stale)]) == 0
 

@@ -19,7 +19,7 @@ from gpurl.algorithms.rl import Prepare
 from gpurl.config import (AlgoConfig, Config, ConfigError, DPOConfig, GRPOConfig, KDConfig,
                           ModelConfig, OPDConfig, ORPOConfig, PPOConfig, RewardModelConfig,
                           RolloutConfig, SFTConfig, SimPOConfig, lookup)
-from gpurl.config_dicts import from_dict, yaml_key
+from gpurl.config.dicts import from_dict, yaml_key
 from gpurl.models.export import export_language_model, export_reward_model
 from gpurl.models.spec import model_spec
 

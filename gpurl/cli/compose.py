@@ -4,7 +4,7 @@ frozen dataclasses, and composition errors as one sentence with the fix.
 Every algorithm schema is stored group-less in the ConfigStore as `gpurl_<schema>` (e.g.
 `gpurl_algo_grpo`); each option of configs/algo/ names its schema first in its defaults
 list, so `algo.*` keys are typed and checked per algorithm. Keys that moved keep working
-on the command line with a one-line notice (`gpurl.config_dicts.MOVED_KEYS`).
+on the command line with a one-line notice (`gpurl.config.dicts.MOVED_KEYS`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 import gpurl
 from gpurl.algorithms import registry
 from gpurl.config import Config, ConfigError, EvalConfig, GenerateConfig
-from gpurl.config_dicts import MOVED_KEYS, REWARDS_SHORTHAND, yaml_key
+from gpurl.config.dicts import MOVED_KEYS, REWARDS_SHORTHAND, yaml_key
 from gpurl.models import families
 
 

@@ -27,7 +27,7 @@ import yaml
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.config import Config, ConfigError, ModelConfig
-from gpurl.config_dicts import to_dict, upgrade
+from gpurl.config.dicts import to_dict, upgrade
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import batch_divisor, trainer_mesh
 from gpurl.models import count_params, loading

@@ -1,13 +1,13 @@
 """The configuration reference, generated from the code: `docs/configuration.md`.
 
-Every field of the dataclasses in `gpurl/config.py` carries a comment, which is its
+Every field of the dataclasses in `gpurl/config/` carries a comment, which is its
 documentation: the comment after the field on its line, or else the comment lines just
 above it. This module reads them from the source (`ast` for the fields, `tokenize` for the
 comments), adds each field's type and default, and lists every config group's options
 from `configs/` with the first lines of their header comments.
 
-    python -m gpurl.config_docs            # (re)write docs/configuration.md
-    python -m gpurl.config_docs --check    # exit 1 when the file differs from the code
+    python -m gpurl.cli.config_docs            # (re)write docs/configuration.md
+    python -m gpurl.cli.config_docs --check    # exit 1 when the file differs from the code
 
 `tests/test_docs.py` fails when docs/configuration.md is stale.
 """
@@ -29,10 +29,10 @@ import yaml
 from gpurl.algorithms import registry
 from gpurl.cli.compose import config_dir
 from gpurl.config import AlgoConfig, Config, EvalConfig, GenerateConfig
-from gpurl.config_dicts import MOVED_KEYS, REWARDS_SHORTHAND, yaml_key
+from gpurl.config.dicts import MOVED_KEYS, REWARDS_SHORTHAND, yaml_key
 
 DOC_PATH = Path("docs/configuration.md")
-REGENERATE = "python -m gpurl.config_docs"
+REGENERATE = "python -m gpurl.cli.config_docs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ def field_docs(cls: type, source: str | None = None, own: bool = False) -> list[
     """The documented keys of one config dataclass in source order (groups, i.e. nested
     dataclasses, have sections of their own); raises ValueError naming any undocumented key.
     `source` is the module text that defines `cls` (default: the file of its module, e.g.
-    gpurl/config.py); `own`: only the keys `cls` adds to its bases (not those whose default
+    gpurl/config/run.py); `own`: only the keys `cls` adds to its bases (not those whose default
     it changes)."""
     if source is None:
         source = Path(sys.modules[cls.__module__].__file__).read_text()
@@ -112,7 +112,7 @@ def field_docs(cls: type, source: str | None = None, own: bool = False) -> list[
         name = item.target.id
         doc = _field_comment(item, text, alone)
         if not doc:
-            raise ValueError(f"{cls.__name__}.{name} in gpurl/config.py has no comment; "
+            raise ValueError(f"{cls.__name__}.{name} in gpurl/config/ has no comment; "
                              f"document it with a comment after the field.")
         out.append(FieldDoc(yaml_key(name), ast.get_source_segment(source, item.annotation) or "",
                             _yaml_value(_default(fields[name])), doc))
@@ -202,10 +202,10 @@ def render(configs: Path | None = None) -> str:
     groups, _ = _dataclass_fields(Config)
     top = field_docs(Config)
     lines = [
-        f"<!-- Generated from gpurl/config.py and configs/ by `{REGENERATE}`; do not edit. -->",
+        f"<!-- Generated from gpurl/config/ and configs/ by `{REGENERATE}`; do not edit. -->",
         "", "# Configuration reference", "",
         "Every key of `gpurl train`, its type, its default in the schema and its meaning (the "
-        "comment on the field in `gpurl/config.py`). A group option (`algo=grpo`, `train=rl`, "
+        "comment on the field in `gpurl/config/`). A group option (`algo=grpo`, `train=rl`, "
         "...) is a YAML file in `configs/<group>/` that sets some of these keys; "
         "`gpurl train --cfg job` prints the values a command line composes to. Set any key "
         "on the command line: `gpurl train algo=gspo optim.lr=3e-6 'rewards=[numeric_match]'`.",

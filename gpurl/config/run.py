@@ -1,17 +1,6 @@
-"""Typed schemas of every config group, and the choice enums their fields take.
-
-Hydra composes YAML files in `configs/` over these schemas (registered in its
-ConfigStore by `gpurl.cli`), so a typo in a key or a value of the wrong type fails at
-composition. `gpurl.cli` converts the composed config once into these frozen
-dataclasses; nothing below the CLI sees omegaconf. Every field carries a comment: it
-is the documentation of the key (`gpurl train --cfg job` prints the values).
-
-The `algo` group has one schema per family of algorithms (`gpurl.config_algo`, re-exported
-here); each option in `configs/algo/` names the schema it fills, and
-`gpurl.algorithms.registry` maps an algorithm's name to its schema. This module imports
-only `gpurl.config_checks` (the value checks and `ConfigError`) and `gpurl.config_algo`,
-`gpurl.config_env` and `gpurl.config_data` (the `algo`, `env` and `data` groups' schemas,
-leaves like this one): every other module may import it.
+"""The schemas of the training run's groups (optim, train, rollout, mesh, logger, run,
+distributed, rewards, plan), the root `Config` that holds every group, and the roots of
+`gpurl generate` and `gpurl eval`.
 """
 
 from __future__ import annotations
@@ -19,26 +8,14 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import Optional
 
-from gpurl.config_checks import DTYPES, ConfigError, lookup
-from gpurl.config_checks import choice as _choice, enum_field as _enum, positive as _positive
-from gpurl.config_checks import tuplify as _tuplify
-from gpurl.config_algo import (Advantage, AlgoConfig, CriticBackbone, CriticConfig, Divergence,
-                               DistillSignal, DPOConfig, DPOLoss, GRPOConfig, ImportanceRatio,
-                               KDConfig, KLControlConfig, KLEstimator, LossAgg, OPDConfig,
-                               ORPOConfig, PolicyGradientConfig, PPOConfig, RewardModelConfig,
-                               SFTConfig, SimPOConfig, TeacherConfig)
-from gpurl.config_data import DataConfig
-from gpurl.config_env import EnvConfig
-
-# re-exported: imported from here
-__all__ = ["DTYPES", "ConfigError", "DataConfig", "EnvConfig", "lookup", "Advantage",
-           "AlgoConfig", "CriticBackbone", "CriticConfig", "Divergence", "DistillSignal",
-           "DPOConfig", "DPOLoss", "GRPOConfig", "ImportanceRatio", "KDConfig",
-           "KLControlConfig", "KLEstimator", "LossAgg", "OPDConfig", "ORPOConfig",
-           "PolicyGradientConfig", "PPOConfig", "RewardModelConfig", "SFTConfig", "SimPOConfig",
-           "TeacherConfig"]
+from gpurl.config.checks import ConfigError
+from gpurl.config.checks import choice as _choice, positive as _positive, tuplify as _tuplify
+from gpurl.config.algo import AlgoConfig, SFTConfig
+from gpurl.config.data import DataConfig
+from gpurl.config.env import EnvConfig
+from gpurl.config.model import ModelConfig
 
 
 # ---------------------------------------------------------------- choice enums
@@ -53,169 +30,6 @@ class LoggerName(str, enum.Enum):
 class Placement(str, enum.Enum):
     COLOCATED = "colocated"
     SPLIT = "split"
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """LoRA (Hu et al. 2021): low-rank adapters on chosen projections train; the base is frozen."""
-
-    rank: int = 0  # adapter rank r; 0 = LoRA off (full fine-tuning)
-    alpha: float = 16.0  # adapters are scaled by alpha / rank (PEFT's lora_alpha)
-    dropout: float = 0.0  # dropout on each adapter's input in training steps (PEFT's lora_dropout)
-    # projections to adapt: globs (fnmatch, whole path) or regexes (re.search) over paths like
-    # "blocks/3/attn/q" or "blocks/0/mlp/down" (attn q, k, v, o; mlp gate, up, down); ["*"] = all
-    targets: list[str] = field(default_factory=lambda: ["*"])
-
-    def __post_init__(self) -> None:
-        _tuplify(self)
-        _positive("model.lora.rank", self.rank, allow_zero=True)
-        _positive("model.lora.alpha", self.alpha)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.lora.dropout={self.dropout} is not valid; set it in [0, 1).")
-        if self.rank and not self.targets:
-            raise ConfigError("model.lora.targets is empty; name the projections to adapt, "
-                              "e.g. model.lora.targets='[*]' for all of them.")
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Mixture-of-experts MLPs (Qwen3-MoE): a router picks `experts_per_token` of
-    `num_experts` SwiGLU experts for every token; 0 experts = a dense model."""
-
-    num_experts: int = 0  # experts of a sparse layer (HF num_experts); 0 = dense MLPs only
-    experts_per_token: int = 2  # experts each token is routed to, top-k (HF num_experts_per_tok)
-    expert_mlp_dim: int = 64  # hidden width of one expert (HF moe_intermediate_size)
-    norm_topk_prob: bool = True  # renormalize the top-k router probabilities to sum to 1
-    sparse_step: int = 1  # layer i is sparse iff (i + 1) % sparse_step == 0 (HF decoder_sparse_step)
-    dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP of model.mlp_dim (HF mlp_only_layers)
-    # load-balancing loss (Switch Transformer eq. 4-6, as transformers' load_balancing_loss_func);
-    # null = 0.001 (Qwen3's router_aux_loss_coef) for sft and rm, 0 for RL and preference
-    # algorithms (verl's Megatron bridge turns load balancing off for RL)
-    aux_loss_coef: Optional[float] = None
-    z_loss_coef: float = 0.0  # router z-loss, mean logsumexp(router logits)^2 (ST-MoE, Zoph et al. 2022: 0.001)
-    # the train step routes completion tokens to the experts the sampler chose for them
-    # (so it scores the policy that sampled); prompt tokens route as usual
-    replay_routing: bool = False
-    # training's expert parallelism: a device runs at most this many times its even share of
-    # its expert group's token copies and drops the rest, its highest experts' first (GShard /
-    # Switch Transformer capacity; dropped copies add nothing, logged as moe/dropped);
-    # 0 = never drop (buffers for every copy); sampling never drops
-    capacity_factor: float = 0.0
-    # the experts' grouped matmul: auto (tiled), tiled (jnp: tokens sorted by expert in
-    # fixed-size tiles, one expert per tile), ragged (jax.lax.ragged_dot, which XLA expands
-    # into a matmul of every token with every expert, on GPU too: E x the flops)
-    grouped_matmul: str = "auto"
-
-    def __post_init__(self) -> None:
-        _tuplify(self)
-        _positive("model.moe.num_experts", self.num_experts, allow_zero=True)
-        for key in ("experts_per_token", "expert_mlp_dim", "sparse_step"):
-            _positive(f"model.moe.{key}", getattr(self, key))
-        _positive("model.moe.z_loss_coef", self.z_loss_coef, allow_zero=True)
-        _positive("model.moe.capacity_factor", self.capacity_factor, allow_zero=True)
-        if self.aux_loss_coef is not None:
-            _positive("model.moe.aux_loss_coef", self.aux_loss_coef, allow_zero=True)
-        _choice("model.moe.grouped_matmul", self.grouped_matmul, ("auto", "ragged", "tiled"))
-        if self.num_experts and self.experts_per_token > self.num_experts:
-            raise ConfigError(f"model.moe.experts_per_token={self.experts_per_token} exceeds "
-                              f"model.moe.num_experts={self.num_experts}; route each token to "
-                              f"at most num_experts experts.")
-
-    def is_sparse(self, layer: int) -> bool:
-        """Whether `layer` has experts (else a dense MLP)."""
-        return (self.num_experts > 0 and layer not in self.dense_layers
-                and (layer + 1) % self.sparse_step == 0)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """One decoder; families differ only by these fields (presets in configs/model/)."""
-
-    name: str = "tiny"  # preset name (see configs/model/)
-    family: str = "gemma"  # architecture family (a file of gpurl/models/families/): gemma, gemma2, gemma3, llama, qwen2, qwen3, qwen3_moe
-    checkpoint: Optional[str] = None  # HF safetensors dir or .gguf file; null = the preset's packaged weights (gemma3_270m: the GGUF package), else random where model.init allows
-    vocab_size: int = 512  # rows of the embedding (>= the tokenizer's vocabulary)
-    d_model: int = 64  # residual width D
-    num_layers: int = 2  # decoder blocks L
-    num_heads: int = 4  # query heads H
-    num_kv_heads: int = 2  # key/value heads K (H % K == 0; K < H is GQA, K = 1 is MQA)
-    head_dim: int = 16  # width of one head
-    mlp_dim: int = 128  # hidden width of the gated MLP
-    activation: str = "gelu_tanh"  # gate activation: gelu_tanh (GeGLU) or silu (SwiGLU)
-    norm_eps: float = 1e-6  # RMSNorm epsilon
-    norm_plus_one: bool = True  # RMSNorm scales by (1 + w) with w initialized at 0 (Gemma); else by w
-    post_norms: bool = False  # extra RMSNorm after attention and after the MLP (Gemma 2/3)
-    qk_norm: bool = False  # RMSNorm over each query and key head (Gemma 3, Qwen 3)
-    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen 2.5)
-    tie_embeddings: bool = True  # output projection shares the embedding matrix
-    scale_embeddings: bool = True  # multiply embeddings by sqrt(D) (Gemma)
-    query_pre_attn_scalar: Optional[float] = None  # attention scale is this ** -0.5; null = head_dim
-    attn_softcap: Optional[float] = None  # cap * tanh(logits / cap) on attention logits (Gemma 2)
-    final_softcap: Optional[float] = None  # the same on output logits (Gemma 2)
-    sliding_window: Optional[int] = None  # local layers attend to this many tokens; null = all global
-    global_every: int = 1  # layer i is global iff (i + 1) % global_every == 0 (Gemma 2: 2, Gemma 3: 6)
-    rope_theta: float = 10000.0  # RoPE base (global layers)
-    rope_local_theta: Optional[float] = None  # RoPE base of sliding-window layers; null = rope_theta
-    rope_scaling: str = "none"  # RoPE scaling of global layers: none, linear (Gemma 3 4B+), llama3
-    rope_scaling_factor: float = 1.0  # linear/llama3: context extension factor
-    rope_low_freq_factor: float = 1.0  # llama3 scaling: low-frequency factor
-    rope_high_freq_factor: float = 4.0  # llama3 scaling: high-frequency factor
-    rope_original_max_len: int = 8192  # llama3 scaling: original pre-training context length
-    max_seq_len: int = 2048  # longest sequence the model is used with
-    dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16
-    param_dtype: str = "float32"  # dtype of stored parameters and optimizer moments
-    attention: str = "auto"  # attention kernel: auto (cudnn, else pallas, on GPU; xla on CPU), xla, cudnn, pallas
-    init_std: float = 0.02  # std of the random normal init of projections
-    # where the weights come from: checkpoint (model.checkpoint, or the preset's packaged
-    # weights; without either the run stops: the real-model presets), random (drawn from
-    # train.seed: tests, benchmarks), or auto (a checkpoint when there is one, else random)
-    init: str = "auto"
-    # what the backward pass keeps of each layer (the rest is recomputed): auto (full on
-    # accelerators, none on CPU), none, full (only the layer's input), dots (matmul outputs
-    # too), qkv (the q, k, v projections too)
-    remat: str = "auto"
-    # how the rollout's programs (prefill, decode) run the layers: auto (unrolled on GPU,
-    # scan on CPU), unrolled (the rollout's copy holds each layer's weights as arrays of
-    # their own, read in place: XLA's GPU programs copy a stacked layer's weights out before
-    # each matmul, 3x a decode step's weight traffic; longer compiles), scan (one layer
-    # compiled, run over the stack)
-    sampling_layers: str = "auto"
-    tokenizer: str = "auto"  # auto (the checkpoint's, else bytes), bytes (built-in byte-level), or a tokenizer.json path
-    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.rank > 0 turns them on)
-    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts MLPs (model.moe.num_experts > 0 turns them on)
-
-    def __post_init__(self) -> None:
-        for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                    "head_dim", "mlp_dim", "max_seq_len", "global_every"):
-            _positive(f"model.{key}", getattr(self, key))
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads="
-                f"{self.num_kv_heads}; choose num_kv_heads dividing num_heads.")
-        _choice("model.activation", self.activation, ("gelu_tanh", "silu"))
-        _choice("model.rope_scaling", self.rope_scaling, ("none", "linear", "llama3"))
-        _choice("model.dtype", self.dtype, ("auto",) + DTYPES)
-        _choice("model.param_dtype", self.param_dtype, DTYPES)
-        _choice("model.attention", self.attention, ("auto", "xla", "cudnn", "pallas"))
-        _choice("model.init", self.init, ("auto", "checkpoint", "random"))
-        _choice("model.remat", self.remat, ("auto", "none", "full", "dots", "qkv"))
-        _choice("model.sampling_layers", self.sampling_layers, ("auto", "unrolled", "scan"))
-        bad = [i for i in self.moe.dense_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ConfigError(f"model.moe.dense_layers names layers {bad} outside 0..{self.num_layers - 1}; "
-                              f"list layers of the model.")
-        if self.moe.num_experts and self.lora.rank and not all(
-                self.moe.is_sparse(i) for i in range(self.num_layers)):
-            raise ConfigError("LoRA on a mixture-of-experts model with dense layers "
-                              "(model.moe.dense_layers or sparse_step > 1) is not supported; use "
-                              "full fine-tuning or a model whose layers are all sparse.")
-        if self.init == "random" and self.checkpoint is not None:
-            raise ConfigError(f"model.init=random draws random weights but model.checkpoint="
-                              f"{self.checkpoint} is set; drop one of the two.")
-
-    def is_global(self, layer: int) -> bool:
-        """Whether `layer` attends to the whole context (else to `sliding_window` tokens)."""
-        return self.sliding_window is None or (layer + 1) % self.global_every == 0
 
 
 @dataclass(frozen=True)

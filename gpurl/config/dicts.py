@@ -9,7 +9,7 @@ import keyword
 import typing
 from typing import Any, Callable
 
-from gpurl.config import Config, EvalConfig
+from gpurl.config.run import Config, EvalConfig
 
 # Keys that moved into a group: old top-level name -> new dotted name. The command line
 # and run directories written before the move keep working (`upgrade`).

@@ -1,14 +1,14 @@
 """The schema of the `data` config group (generated tasks, files in gpurl's, TRL's and
 verl's layouts, the local Hugging Face cache), re-exported by `gpurl.config`. A leaf
-module: it imports only `gpurl.config_checks`."""
+module: it imports only `gpurl.config.checks`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gpurl.config_checks import ConfigError
-from gpurl.config_checks import choice as _choice, positive as _positive, tuplify as _tuplify
+from gpurl.config.checks import ConfigError
+from gpurl.config.checks import choice as _choice, positive as _positive, tuplify as _tuplify
 
 
 @dataclass(frozen=True)

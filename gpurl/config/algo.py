@@ -2,7 +2,7 @@
 policy gradient: the GRPO family, on-policy distillation and PPO, preference
 optimization), and the choice enums their fields take. Each option in `configs/algo/`
 names the schema it fills; `gpurl.algorithms.registry` maps an algorithm's name to its
-schema. A leaf like `gpurl.config`, which re-exports every name here.
+schema. It imports only `gpurl.config.checks`; `gpurl.config` re-exports every name here.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from gpurl.config_checks import DTYPES, ConfigError
-from gpurl.config_checks import choice as _choice, enum_field as _enum, positive as _positive
+from gpurl.config.checks import DTYPES, ConfigError
+from gpurl.config.checks import choice as _choice, enum_field as _enum, positive as _positive
 
 
 # ---------------------------------------------------------------- choice enums
