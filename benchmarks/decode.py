@@ -1,8 +1,8 @@
-"""Decode throughput of gpurl's Sampler against the memory-bandwidth bound of the device.
+"""Decode throughput of gpurl's StaticSampler against the memory-bandwidth bound of the device.
 
 A decode step reads every parameter once and the KV cache of every row up to its current
 length, so on a GPU its time is bounded below by (parameter bytes + KV cache bytes read) /
-peak HBM bandwidth. This script times the Sampler (one jitted prefill + decode loop) on
+peak HBM bandwidth. This script times the StaticSampler (one jitted prefill + decode loop) on
 random weights of a preset (gemma2b by default, bf16), every row running to exactly
 `--new-tokens` tokens (no stop ids), and reports decode tokens/s and its fraction of that
 bound. Decode time is separated from the prefill by timing the same call with 1 and with
@@ -101,11 +101,11 @@ def build(args: argparse.Namespace):
     from gpurl.config import MeshConfig, RolloutConfig
     from gpurl.distributed.mesh import rollout_mesh
     from gpurl.models import model_spec
-    from gpurl.rollout.sampler import Sampler
+    from gpurl.rollout.static import StaticSampler
 
     spec, mesh_cfg = model_spec(model_config(args)), MeshConfig()
     mesh = rollout_mesh(mesh_cfg)
-    sampler = Sampler(spec, RolloutConfig(top_k=0, top_p=1.0, max_new_tokens=args.new_tokens),
+    sampler = StaticSampler(spec, RolloutConfig(top_k=0, top_p=1.0, max_new_tokens=args.new_tokens),
                       mesh, mesh_cfg.sample_rules, stop_ids=(), pad_id=0)
     params = jax.jit(spec.init, static_argnums=0, out_shardings=sampler.param_shardings)(0)
     return sampler, params, spec

@@ -1,4 +1,4 @@
-"""Generation throughput: gpurl's `Sampler` against transformers' `generate`, one process.
+"""Generation throughput: gpurl's `StaticSampler` against transformers' `generate`, one process.
 
 Both run the real Gemma 3 270M (the GGUF from the PyPI package, dequantized to float32) on
 the same prompts: every row has exactly `--prompt-tokens` tokens (no padding on either
@@ -146,10 +146,10 @@ def gpurl_runner(path: str) -> Runner:
     import jax
 
     from gpurl.config import RolloutConfig
-    from gpurl.rollout.sampler import Sampler
+    from gpurl.rollout.static import StaticSampler
 
     spec, mesh, rules, params = load_gpurl(path)
-    sampler = Sampler(spec, RolloutConfig(top_k=0, top_p=1.0), mesh, rules, stop_ids=(), pad_id=0)
+    sampler = StaticSampler(spec, RolloutConfig(top_k=0, top_p=1.0), mesh, rules, stop_ids=(), pad_id=0)
 
     def run(prompts: list[list[int]], temperature: float, seed: int, new_tokens: int) -> None:
         seeds = [seed * len(prompts) + i for i in range(len(prompts))]

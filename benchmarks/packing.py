@@ -84,7 +84,7 @@ def collected(stepper: Any, clen_PxG: np.ndarray) -> tuple[dict, jax.Array]:
     mix's completion lengths, random tokens and sampler log-probs."""
     rng = np.random.default_rng(1)
     p, g = clen_PxG.shape
-    w, n = stepper.engine.prompt_width, stepper.engine.width
+    w, n = stepper.rounds.prompt_width, stepper.rounds.width
     plen = np.full(p, min(PROMPT, w))
     real = np.arange(n) < clen_PxG[..., None]
     vocab = stepper.setup.spec.policy.cfg.vocab_size
@@ -178,7 +178,7 @@ def gpu_costs(args: argparse.Namespace, clen_PxG: np.ndarray) -> None:
             shape = f"{p} x {g} x {n} + prompts {p} x {collected['prompt_tokens'].shape[1]}"
             if packed:
                 plen = np.full(len(clen_PxG), PROMPT)
-                plan = packing.plan(plen, clen_PxG, stepper.engine.prompt_width, stepper.engine.width,
+                plan = packing.plan(plen, clen_PxG, stepper.rounds.prompt_width, stepper.rounds.width,
                                     stepper.budget, stepper.shards,
                                     packing.attention_cost(setup.spec.policy.cfg.d_model))
                 sds = jax.ShapeDtypeStruct

@@ -13,7 +13,7 @@ identical settings on both sides:
   step, rows of 64 tokens, AdamW lr 1e-3 with 10 warm-up steps, every parameter trained,
   loss on completion tokens) against TRL's `SFTTrainer` with the same examples in the same
   order and the same optimizer settings.
-- Generation: `benchmarks/generate.py` (gpurl's Sampler against transformers' `generate`,
+- Generation: `benchmarks/generate.py` (gpurl's StaticSampler against transformers' `generate`,
   interleaved in one process).
 
 Every training job runs in its own subprocess, one after the other (never two at once),

@@ -7,7 +7,7 @@ converts from the same GGUF once (`--prepare`, ~/.cache/gpurl/bench/gemma3-270m-
 engine is a subprocess that loads the model once and then answers JSON-lines commands on
 stdin/stdout (the protocol is in benchmarks/rollout_vllm.py): `vllm` is
 benchmarks/rollout_vllm.py under the vLLM virtualenv (benchmarks/setup_vllm.sh makes it),
-`gpurl` (gpurl.rollout.engine.Engine) and `static` (gpurl.rollout.sampler.Sampler, one
+`gpurl` (gpurl.rollout.engine.Engine) and `static` (gpurl.rollout.static.StaticSampler, one
 static batch decoded to its longest request) are this file with `--worker`.
 
 Prompts are 32 tokens (generate.py's `make_prompts`); every request generates exactly its
@@ -204,7 +204,7 @@ def gpurl_worker(kind: str, max_new_tokens: int) -> None:
     import gpurl
     from gpurl.config import RolloutConfig
     from gpurl.models.gguf_tokenizer import tokenizer_from_gguf
-    from gpurl.rollout.sampler import Sampler
+    from gpurl.rollout.static import StaticSampler
 
     path = gguf_path()
     tokenizer = tokenizer_from_gguf(path)
@@ -212,7 +212,7 @@ def gpurl_worker(kind: str, max_new_tokens: int) -> None:
     rollout_cfg = RolloutConfig(max_new_tokens=max_new_tokens, top_k=0, top_p=1.0)
 
     if kind == "static":
-        sampler = Sampler(spec, rollout_cfg, mesh, rules, stop_ids=(), pad_id=tokenizer.pad_id)
+        sampler = StaticSampler(spec, rollout_cfg, mesh, rules, stop_ids=(), pad_id=tokenizer.pad_id)
 
         def generate(requests: list[dict[str, Any]]) -> list[np.ndarray]:
             temperatures = {r["temperature"] for r in requests}
@@ -230,7 +230,8 @@ def gpurl_worker(kind: str, max_new_tokens: int) -> None:
             return [tokens_BxN[i, :r["max_new_tokens"]] for i, r in enumerate(requests)]
     else:
         try:
-            from gpurl.rollout.engine import Engine, Request
+            from gpurl.rollout.engine import Engine
+            from gpurl.rollout.requests import Request
         except ImportError as e:
             raise SystemExit(f"--worker gpurl needs gpurl.rollout.engine.Engine and Request "
                              f"(the continuous-batching engine), which do not import: {e}")

@@ -26,7 +26,8 @@ import numpy as np
 from gpurl.config import MeshConfig, ModelConfig, RolloutConfig
 from gpurl.distributed.mesh import rollout_mesh
 from gpurl.models import loading, model_spec
-from gpurl.rollout.engine import Engine, Request
+from gpurl.rollout.engine import Engine
+from gpurl.rollout.requests import Request
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -20,8 +20,9 @@ import pytest
 
 import hf_models
 from gpurl.config import ConfigError
-from gpurl.rollout.engine import Completion, Engine, Request
-from gpurl.rollout.sampler import Rollout
+from gpurl.rollout.engine import Engine
+from gpurl.rollout.requests import Completion, Request
+from gpurl.rollout.programs import Rollout
 from test_sampler import (LOGPROB_TOL, MESH, N, ONE_DEVICE, PAD, PROMPTS, RULES, SAMPLING,
                           SEEDS, Tiny, _build_tiny, _max_diff, _rows, _training_logprobs)
 

@@ -26,9 +26,10 @@ from gpurl.models import model_spec
 from gpurl.models.tokenizer import byte_tokenizer
 from gpurl.rewards import load as load_rewards
 from gpurl.rollout.collect import Collector
-from gpurl.rollout.engine import Request
+from gpurl.rollout.requests import Request
 from gpurl.rollout.prompts import Prompts
-from gpurl.rollout.rounds import RolloutEngine, to_host
+from gpurl.distributed.host import to_host
+from gpurl.rollout.rounds import Rounds, rollout_engine
 from gpurl.train.loop import train
 
 
@@ -134,10 +135,10 @@ PROMPTS = Prompts([{"prompt": f"q{i} =", "answer": str(i)} for i in range(4)],
                    else TOK.encode(f"q{i} =") for i in range(4)])
 
 
-def rollout_engine(env: EnvConfig, temperature: float = 1.0, rewards=()) -> RolloutEngine:
+def env_rounds(env: EnvConfig, temperature: float = 1.0, rewards=()) -> Rounds:
     rollout = RolloutConfig(max_new_tokens=5, temperature=temperature, stop=(), slots=4)
-    return RolloutEngine(SPEC, TOK, rollout, MeshConfig(), load_rewards(list(rewards)), 16,
-                         env=env)
+    return Rounds(rollout_engine(SPEC, TOK, rollout, MeshConfig(), env=env), TOK,
+                  load_rewards(list(rewards)), 16, env)
 
 
 @pytest.mark.slow
@@ -147,13 +148,13 @@ def test_a_three_turn_trajectory_has_the_hand_built_layout():
     hand; the training forward pass over the whole trajectory (continuous positions) gives
     the sampler's log-probs; the loss has no gradient through observation tokens."""
     env = EnvConfig(name="test_envs:Scripted", max_turns=5, max_tokens=40)
-    engine = rollout_engine(env)
+    rounds = env_rounds(env)
     seeds = np.arange(8, dtype=np.uint32) + 100
-    r = engine.run(PARAMS, PROMPTS, np.arange(4), 2, seeds)
+    r = rounds.run(PARAMS, PROMPTS, np.arange(4), 2, seeds)
     tokens, lengths = to_host(r.rollout.tokens), to_host(r.rollout.lengths)
     logprobs, mask = to_host(r.rollout.logprobs), to_host(r.rollout.mask)
     scores = to_host(r.scores)
-    sampler = engine.sampler
+    sampler = rounds.engine
     for row in range(8):
         prompt, seed = PROMPTS.tokens[row // 2], int(seeds[row])
         want_tokens, want_mask, want_lp, drawn = [], [], [], 0
@@ -199,12 +200,12 @@ def test_a_three_turn_trajectory_has_the_hand_built_layout():
 
 @pytest.mark.slow
 def test_trajectories_end_at_max_turns_and_max_tokens():
-    engine = rollout_engine(EnvConfig(name="test_envs:Scripted", max_turns=2, max_tokens=40,
-                                      reward="last"), temperature=0.0)
-    r = engine.run(PARAMS, PROMPTS, np.arange(4), 1, np.zeros(4, np.uint32))
+    rounds = env_rounds(EnvConfig(name="test_envs:Scripted", max_turns=2, max_tokens=40,
+                                  reward="last"), temperature=0.0)
+    r = rounds.run(PARAMS, PROMPTS, np.arange(4), 1, np.zeros(4, np.uint32))
     env = to_host(r.env)
     assert env[:, 1].tolist() == [2] * 4 and np.allclose(env[:, 0], 0.25)  # the last step's
-    short = rollout_engine(EnvConfig(name="test_envs:Scripted", max_tokens=9), temperature=0.0)
+    short = env_rounds(EnvConfig(name="test_envs:Scripted", max_tokens=9), temperature=0.0)
     r = short.run(PARAMS, PROMPTS, np.arange(4), 1, np.zeros(4, np.uint32))
     lengths, mask = to_host(r.rollout.lengths), to_host(r.rollout.mask)
     assert (lengths <= 9).all() and (mask.sum(-1) >= 1).all()

@@ -123,6 +123,35 @@ def test_grpo_two_processes_match_one_and_score_each_row_once(tmp_path):
         assert sum(per_process.values()) == expected, (name, per_process)
 
 
+def test_the_engine_agrees_once_per_scheduling_iteration(tmp_path):
+    """A rollout engine over 2 processes x 2 devices, each process with its own requests
+    of mixed lengths (different schedules), makes one host gather per scheduling iteration
+    plus one at the call's start (it made up to 11 per iteration), and generates what
+    1 process x 4 devices does (tokens equal, log-probs to float32 rounding)."""
+    worker = Path(__file__).parent / "engine_worker.py"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    one = subprocess.Popen([sys.executable, str(worker), str(tmp_path / "one.json")], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2", **_compile_env(2))
+    port = _free_port()
+    two = [subprocess.Popen([sys.executable, str(worker), str(tmp_path / f"two{i}.json"),
+                             f"127.0.0.1:{port}", "2", str(i)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+    for p in [one, *two]:
+        out = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, out
+    alone = json.loads((tmp_path / "one.json").read_text())
+    parts = [json.loads((tmp_path / f"two{i}.json").read_text()) for i in range(2)]
+    for part in parts:
+        assert part["chunks"] >= 3
+        assert part["gathers"] == part["iterations"] + 1, part
+    assert parts[0]["iterations"] == parts[1]["iterations"]
+    assert alone["tokens"] == parts[0]["tokens"] + parts[1]["tokens"]
+    for a, b in zip(alone["logprobs"], parts[0]["logprobs"] + parts[1]["logprobs"]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 # GRPO with the guess-the-number environment (its own data and rollout presets); each
 # environment appends "<trajectory> <turn>" to the count directory as it is stepped
 ENV_ARGS = ([a for a in TINY_GRPO_ARGS if not a.startswith(("data=", "data.max_len", "rollout"))]

@@ -153,7 +153,7 @@ def _collected(stepper, multi_turn: bool, seed: int = 0) -> tuple[dict, jax.Arra
     """A grouped batch as the collector hands it over (CLEN's lengths; multi-turn: each
     completion's middle third is an observation span, masked), and the rows' rewards."""
     rng = np.random.default_rng(seed)
-    w = stepper.engine.prompt_width
+    w = stepper.rounds.prompt_width
     plen = rng.integers(1, w + 1, P)
     real = np.arange(N) < CLEN[..., None]
     mask = real.copy()
@@ -164,7 +164,7 @@ def _collected(stepper, multi_turn: bool, seed: int = 0) -> tuple[dict, jax.Arra
              "prompt_lengths": plen, "completions": np.where(real, rng.integers(3, 250, (P, G, N)), 0),
              "completion_lengths": CLEN, "comp_mask": mask.astype(np.float32),
              "sampler_logprobs": np.where(real, -rng.uniform(0.5, 4.0, (P, G, N)), 0.0)}
-    replayed = stepper.engine.sampler.routes_shape
+    replayed = stepper.engine.routes_shape
     if replayed is not None:
         routes = rng.integers(0, 4, (P, G, N, *replayed))
         batch["routes"] = np.where(real[..., None, None], routes, -1).astype(np.int16)

@@ -61,7 +61,7 @@ def test_the_plan_allocates_nothing_and_the_run_uses_the_programs_it_compiled(tm
     state, _ = stepper.step(setup.init(), 0)
     jax.block_until_ready(state)
     assert setup.step_fn.jitted._cache_size() == (1 if packed else 0)
-    assert stepper.engine.sampler.stats["planned_calls"] >= 2
+    assert stepper.engine.stats["planned_calls"] >= 2
 
 
 @pytest.mark.slow

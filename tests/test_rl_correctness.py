@@ -86,10 +86,9 @@ def test_an_environments_reward_counts_beside_a_reward_model():
     scorer = jnp.asarray([[0.7, 0.7, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.3, 0.3, 0.0]])
     env_Bx3 = jnp.asarray([[1.0, 2, 0], [0.0, 1, 0], [1.0, 1, 0], [0.5, 3, 0]])  # reward, turns, error
     ids = jnp.asarray([0, 1, 2, -1])  # the last row is padding
-    r = Round(rollout=SimpleNamespace(lengths=jnp.asarray([5, 8, 3, 1])), prompt_tokens=None,
-              prompt_lengths=None, scores=_with_env(scorer, env_Bx3, ids), functions=scorer[:, 0],
-              row_ids=ids, positions=np.arange(3), rollout_s=0.0, reward_s=0.0, engine={},
-              env=env_Bx3)
+    r = Round(local={}, lengths=jnp.asarray([5, 8, 3, 1]), scores=_with_env(scorer, env_Bx3, ids),
+              functions=scorer[:, 0], row_ids=ids, positions=np.arange(3), rollout_s=0.0,
+              reward_s=0.0, counts={}, sharding=None, env=env_Bx3)
     # the round's total (what evaluation reports) and reward/env's column
     np.testing.assert_allclose(r.scores[:, :2], [[1.7, 1.0], [0.0, 0.0], [2.0, 1.0], [0.3, 0.0]])
     reward_model_run, _ = _collector(8, 4, 0, Shaping(max_tokens=8, function_weight=0.0))
@@ -222,7 +221,7 @@ def test_async_rounds_are_sampled_a_step_ahead_and_corrected(tmp_path):
 
         def rollout(params):
             idx = stepper.collector.indices(position)
-            r = stepper.engine.run(stepper.sync(params), stepper.prompts, idx, 4,
+            r = stepper.rounds.run(stepper.sync(params), stepper.prompts, idx, 4,
                                    row_seeds(cfg.train.seed, 2, 0, len(idx) * 4))
             return np.asarray(r.rollout.tokens), np.asarray(r.rollout.logprobs)
 

@@ -3,7 +3,7 @@ generation (a tiny random model of every family, and the real Gemma 3 270M), the
 forward pass's log-probabilities, and top-k / nucleus sets computed in NumPy; then stops,
 seeds, the number of compiled programs, and sharded == unsharded.
 
-Every `Sampler` compiles its own programs (~2 s each for a tiny model on 2 cores), so the
+Every `StaticSampler` compiles its own programs (~2 s each for a tiny model on 2 cores), so the
 samplers are built once per module and shared; every tiny-model call uses one batch bucket
 and one prompt bucket, so each sampler compiles one program.
 """
@@ -28,7 +28,8 @@ from gpurl.distributed.mesh import rollout_mesh
 from gpurl.models import ModelSpec, model_spec
 from gpurl.models.gguf import load_gguf_params, model_config_from_gguf
 from gpurl.models.hf import load_hf_params, model_config_from_hf
-from gpurl.rollout.sampler import Rollout, Sampler
+from gpurl.rollout.programs import Rollout
+from gpurl.rollout.static import StaticSampler
 from gpurl.rollout.sampling import allowed_logits
 
 MESH = rollout_mesh(MeshConfig(rollout_tp=2))  # data=2, tp=2 over the 4 host devices
@@ -66,12 +67,12 @@ class Tiny:
     samplers: dict = dataclasses.field(default_factory=dict)
 
     def sampler(self, setting: str, mesh: Any = MESH,
-                stop_ids: tuple[int, ...] | None = None) -> Sampler:
-        """One shared Sampler per (setting, mesh, stops): each compiles its own programs."""
+                stop_ids: tuple[int, ...] | None = None) -> StaticSampler:
+        """One shared StaticSampler per (setting, mesh, stops): each compiles its own programs."""
         stops = self.stop_ids if stop_ids is None else stop_ids
         key = (setting, id(mesh), stops)
         if key not in self.samplers:
-            self.samplers[key] = Sampler(self.spec, SAMPLING[setting], mesh, RULES,
+            self.samplers[key] = StaticSampler(self.spec, SAMPLING[setting], mesh, RULES,
                                          stop_ids=stops, pad_id=PAD)
         return self.samplers[key]
 
@@ -189,7 +190,7 @@ class Real:
 @pytest.fixture(scope="module")
 def real(gemma3_gguf: Path) -> Real:
     spec = model_spec(model_config_from_gguf(gemma3_gguf, ModelConfig(dtype="float32")))
-    sampler = Sampler(spec, RolloutConfig(temperature=0.0, max_new_tokens=REAL_NEW), MESH, RULES,
+    sampler = StaticSampler(spec, RolloutConfig(temperature=0.0, max_new_tokens=REAL_NEW), MESH, RULES,
                       stop_ids=REAL_STOPS, pad_id=PAD)
     params = load_gguf_params(gemma3_gguf, spec, sampler.param_shardings)
     prompts = [prompt for prompt, _ in REAL.values()]
@@ -351,7 +352,7 @@ def test_repeated_prompts_prefill_once_and_sample_the_same(gemma2: Tiny) -> None
     """An RL batch repeats each prompt G times: `prepare` finds the runs and the prompt is
     prefilled once per run (its KV cache repeated), with the tokens and log-probs of
     prefilling every row."""
-    from gpurl.rollout.sampler import Prepared
+    from gpurl.rollout.static import Prepared
 
     sampler = gemma2.sampler("nucleus")
     prompts = [PROMPTS[1]] * 4 + [PROMPTS[3]] * 4
@@ -407,7 +408,7 @@ def test_compiles_bounded_by_buckets() -> None:
     """30 calls over batch sizes 1..8 and prompt lengths 1..60 on a data=4 mesh: batches pad
     to 4 or 8 rows, prompts to 16, 32 or 64 tokens, so at most 2 x 3 = 6 programs."""
     spec = model_spec(ModelConfig(**{**TINY_MODEL, "num_layers": 1}))
-    sampler = Sampler(spec, RolloutConfig(temperature=0.0, max_new_tokens=2),
+    sampler = StaticSampler(spec, RolloutConfig(temperature=0.0, max_new_tokens=2),
                       rollout_mesh(MeshConfig(rollout_tp=1)), RULES, stop_ids=(), pad_id=PAD)
     rng = np.random.default_rng(0)
     # Host-drawn weights: tracing spec.init would cost more than the whole test.

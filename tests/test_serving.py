@@ -115,11 +115,3 @@ def test_a_bad_rollout_width_is_one_sentence(value):
     with pytest.raises(ConfigError, match=rf"^mesh.rollout_tp={value} is not valid; use a "
                                           rf"positive size or auto\.$"):
         MeshConfig(rollout_tp=value)
-
-
-def test_the_kv_pool_rounds_to_three_significant_bits_not_a_power_of_two():
-    """A round of 256 rows x 16 blocks needs 4,097 blocks (block 0: idle rows' writes): a
-    power of two allocated 8,192 (qwen3_1_7b: 56 GiB for 35), three significant bits 5,120."""
-    engine, _ = _engine("float32", "scan", tp=1)
-    assert engine._pool_blocks(256 * 16) == 5120
-    assert engine._pool_blocks(100) == 112  # not 128

@@ -54,7 +54,7 @@ def _imports(path: Path) -> tuple[set[str], list[str]]:
 # The layers of ../shared/ARCHITECTURE.md (Boundaries), lowest first: a module imports only
 # from its own layer or lower ones (the models read the logical-axis rules from
 # gpurl/models/axes.py, never from distributed/).
-LAYERS = [("config", "glossary", "user_code"), ("kernels",), ("models",), ("distributed",),
+LAYERS = [("config", "glossary", "user_code", "buckets"), ("kernels",), ("models",), ("distributed",),
           ("data", "envs", "rewards"), ("rollout", "algorithms"), ("train",), ("commands",),
           ("cli",)]
 

@@ -1,6 +1,6 @@
 """`gpurl eval`: greedy accuracy and pass@k on the held-out prompts of a data config, for
 a model preset, a checkpoint, or a gpurl run. The same code the training loop evaluates
-with (`gpurl.rollout.rounds.RolloutEngine.evaluate`), so the figures are comparable."""
+with (`gpurl.rollout.rounds.Rounds.evaluate`), so the figures are comparable."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from gpurl.distributed import layout, runtime
 from gpurl.distributed.mesh import job_devices
 from gpurl.models import loading, model_spec
 from gpurl.rewards import from_config as load_rewards
-from gpurl.rollout.rounds import RolloutEngine
+from gpurl.rollout.rounds import Rounds, rollout_engine
 from gpurl.rollout.prompts import encode_prompts
-from gpurl.rollout.engine import MIN_PROMPT_BUCKET, bucket
+from gpurl.rollout.requests import prompt_width
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.restore import restore_run
 
@@ -39,16 +39,16 @@ def evaluate(cfg: EvalConfig) -> dict[str, float]:
                                       cfg.data.max_len, "eval")
     rewards = load_rewards(cfg.rewards, [] if cfg.env.on else default_rewards(cfg.data))
     mesh = layout.for_sampling(cfg.mesh, spec, job_devices())
-    engine = RolloutEngine(spec, tokenizer, cfg.rollout, mesh, rewards,
-                           bucket(max(len(t) for t in prompts.tokens), MIN_PROMPT_BUCKET),
-                           env=cfg.env)
+    engine = rollout_engine(spec, tokenizer, cfg.rollout, mesh, env=cfg.env)
+    rounds = Rounds(engine, tokenizer, rewards, prompt_width(max(len(t) for t in prompts.tokens)),
+                    cfg.env)
     if params is None:
-        params = loading.load_params(model_cfg, spec, engine.sampler.stacked_shardings)
+        params = loading.load_params(model_cfg, spec, engine.stacked_shardings)
     if params is None:
         print(f"[gpurl] {model_cfg.name} has no checkpoint: evaluating random weights.", flush=True)
         params = jax.jit(lambda: spec.init(cfg.seed),
-                         out_shardings=engine.sampler.stacked_shardings)()
-    figures = engine.evaluate(engine.sampler.place(params), prompts, cfg.pass_k, cfg.batch_size, cfg.seed)
+                         out_shardings=engine.stacked_shardings)()
+    figures = rounds.evaluate(engine.place(params), prompts, cfg.pass_k, cfg.batch_size, cfg.seed)
     if runtime.is_main_process():
         print(f"[gpurl] eval of {source} on {len(prompts)} held-out {cfg.data.name} prompts "
               f"({skipped} longer than data.max_len skipped), correct = "

@@ -34,19 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpurl.buckets import three_bits as bucket  # noqa: F401 - re-exported
 from gpurl.kernels.segments import BRANCHES
 
 ROW_MIN = 64  # the shortest row length
 LENGTHS = 4  # row lengths tried per batch: the smallest that fits, x2, x4, x8
-
-
-def bucket(n: int) -> int:
-    """n rounded up to a value with three significant bits (1..8, 10, 12, 14, 16, 20, 24,
-    28, 32, 40, ...): at most 25% more, usually about 10%, and few distinct values."""
-    if n <= 8:
-        return max(n, 1)
-    step = 1 << (int(n).bit_length() - 3)
-    return -(-n // step) * step
 
 
 def micro_layout(rows: int, length: int, budget: int, shards: int) -> tuple[int, int]:

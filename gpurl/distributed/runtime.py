@@ -7,13 +7,11 @@ multi-process code runs in tests.
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 import time
 
 import jax
-from jax._src import distributed
 
 from gpurl.config import ConfigError, DistributedConfig
 
@@ -97,35 +95,3 @@ def process_index() -> int:
 
 def process_count() -> int:
     return jax.process_count()
-
-
-# How long an agreement waits for the slowest process (one compiling a large program).
-AGREE_TIMEOUT_MS = 3_600_000
-_agreements = itertools.count()
-
-
-def gather_ints(value: int) -> list[int]:
-    """Every process's `value`, in process order (a collective: every process must call it
-    at the same point); free with one process.
-
-    Host to host through the job's coordinator (its key-value store), never a device
-    program: on CPUs, gloo matches the collectives of programs that run at the same time
-    on disjoint devices (the rollout's and the trainer's under mesh.placement=split) by
-    their order only, so a host agreement sent as a device all-gather while a train step's
-    all-gathers run could meet the peer's other collective. A peer that dies ends the job
-    through the coordinator's heartbeats, not through this wait."""
-    if jax.process_count() == 1:
-        return [int(value)]
-    client = distributed.global_state.client
-    n, me = next(_agreements), jax.process_index()
-    client.key_value_set(f"gpurl/agree/{n}/{me}", str(int(value)))
-    values = [int(client.blocking_key_value_get(f"gpurl/agree/{n}/{p}", AGREE_TIMEOUT_MS))
-              for p in range(jax.process_count())]
-    if n:  # every process has read agreement n - 1 (it set its key of n after that)
-        client.key_value_delete(f"gpurl/agree/{n - 1}/{me}")
-    return values
-
-
-def any_process(flag: bool) -> bool:
-    """True when `flag` is set in any process (`gather_ints`); free with one process."""
-    return any(gather_ints(int(bool(flag))))

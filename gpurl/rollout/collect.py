@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from gpurl.data.batching import step_indices
-from gpurl.rollout.rounds import Round, RolloutEngine, row_seeds, to_host
+from gpurl.distributed import host
+from gpurl.rollout.rounds import Round, Rounds, row_seeds
 from gpurl.rollout.prompts import Prompts
 
 # Rewards closer than this count as equal (a group without signal).
@@ -104,7 +105,8 @@ class Collected:
 class Collector:
     """Rounds of rollouts for the shared train step of the RL algorithms.
 
-    `to_trainer` moves an array of rollout rows onto the trainer mesh (`batch_sharding`);
+    `source` samples and scores a round; `to_trainer` moves an array of rollout rows onto
+    the trainer mesh (`batch_sharding`): a device array, or this process's rows on the host;
     `rounds` is 1 + the refills dynamic sampling may run (`drop_equal`).
 
     Every round draws the next batch of prompts of the data's index stream (`step_indices`:
@@ -112,11 +114,11 @@ class Collector:
     batches drawn, so the data advances by the rounds actually run, and a run resumed at
     a checkpoint's position draws what the uninterrupted run would have."""
 
-    def __init__(self, engine: RolloutEngine, prompts: Prompts, *, group: int,
+    def __init__(self, source: Rounds, prompts: Prompts, *, group: int,
                  batch_size: int, seed: int, shaping: Shaping, drop_equal: bool, rounds: int,
-                 to_trainer: Callable[[jax.Array], jax.Array], batch_sharding: NamedSharding,
+                 to_trainer: Callable[[jax.Array | np.ndarray], jax.Array], batch_sharding: NamedSharding,
                  pad_id: int):
-        self.engine, self.prompts, self.group = engine, prompts, group
+        self.source, self.prompts, self.group = source, prompts, group
         self.batch_size, self.seed, self.shaping = batch_size, seed, shaping
         self.drop_equal, self.rounds, self.to_trainer = drop_equal, rounds, to_trainer
         self.pad_id = pad_id
@@ -124,7 +126,7 @@ class Collector:
         self._spread = jax.jit(lambda r, pos: group_spread(r[pos], group))
         self._stats = jax.jit(self._round_stats)
         # rows scored 0 because a reward function failed (rewards.on_error=zero)
-        self.count_errors = any(r.on_error == "zero" for r in engine.rewards)
+        self.count_errors = any(r.on_error == "zero" for r in source.rewards)
         self._errors = jax.jit(lambda scores, ids: (scores[:, -1] * (ids >= 0)).sum())
         self._assemble = jax.jit(self._assemble_fn, out_shardings=(batch_sharding, batch_sharding))
         self.position = 0  # batches of prompts drawn so far (checkpointed by the stepper)
@@ -138,12 +140,12 @@ class Collector:
         are functions of step and round."""
         idx = self.indices(self.position)
         self.position += 1
-        return self.engine.run(params, self.prompts, idx, self.group,
+        return self.source.run(params, self.prompts, idx, self.group,
                                row_seeds(self.seed, step, rnd, len(idx) * self.group))
 
     def round_rewards(self, r: Round) -> jax.Array:
         """The shaped reward of every device row of a round (`shaped_rewards`), B."""
-        return self._shape(r.functions, r.env, r.rollout.lengths, r.row_ids)
+        return self._shape(r.functions, r.env, r.lengths, r.row_ids)
 
     def collect(self, params: Any, step: int, first: Round | None = None) -> Collected:
         """The rounds of `step` (`first`: its round 0, sampled ahead) and the batch of the
@@ -169,7 +171,7 @@ class Collector:
                  for r, shaped in zip(rounds, rewards)]
         batch, rewards_B = self._assemble(parts, jnp.asarray(select_B, jnp.int32),
                                           jnp.asarray(keep_B))
-        metrics = self._stats(rounds[0].scores, rounds[0].rollout.lengths, rewards[0],
+        metrics = self._stats(rounds[0].scores, rounds[0].lengths, rewards[0],
                               jnp.asarray(rounds[0].positions))
         metrics.update({
             "reward/batch_mean": rewards_B.mean(), "groups/kept": float(num_kept),
@@ -178,26 +180,25 @@ class Collector:
             "time/reward_s": sum(r.reward_s for r in rounds),
             # decode steps spent on live rows, of all row-steps the engine ran; requests
             # that gave their KV blocks back to the pool (recomputed when readmitted)
-            "rollout/slot_use": (sum(r.engine["live_row_steps"] for r in rounds)
-                                 / max(sum(r.engine["row_steps"] for r in rounds), 1)),
-            "rollout/preempted": float(sum(r.engine["preempted"] for r in rounds))})
+            "rollout/slot_use": (sum(r.counts["live_row_steps"] for r in rounds)
+                                 / max(sum(r.counts["row_steps"] for r in rounds), 1)),
+            "rollout/preempted": float(sum(r.counts["preempted"] for r in rounds))})
         if self.count_errors:
             metrics["reward/errors"] = sum(self._errors(r.scores, r.row_ids) for r in rounds)
         if rounds[0].env is not None:  # multi-turn: the unfiltered round 0's trajectories
-            metrics.update(self._env_stats(rounds[0].env, rounds[0].rollout.mask,
-                                           rounds[0].rollout.lengths, jnp.asarray(rounds[0].positions)))
+            metrics.update(self._env_stats(rounds[0].env, rounds[0].mask,
+                                           rounds[0].lengths, jnp.asarray(rounds[0].positions)))
         return Collected(batch, rewards_B, metrics, assembled_at, lag)
 
     @staticmethod
-    def _parts(r: Round, shaped: jax.Array) -> dict[str, jax.Array]:
-        """A round's arrays the batch is assembled from (rollout rows)."""
-        out = {"prompt_tokens": r.prompt_tokens, "prompt_lengths": r.prompt_lengths,
-               "completions": r.rollout.tokens, "completion_lengths": r.rollout.lengths,
-               "sampler_logprobs": r.rollout.logprobs, "rewards": shaped}
-        if r.rollout.routes is not None:
-            out["routes"] = r.rollout.routes
-        if r.rollout.mask is not None:
-            out["model_mask"] = r.rollout.mask
+    def _parts(r: Round, shaped: jax.Array) -> dict[str, jax.Array | np.ndarray]:
+        """A round's arrays the batch is assembled from: its rows on this host, and the
+        shaped rewards on the rollout mesh."""
+        names = {"prompt_tokens": "prompt_tokens", "prompt_lengths": "prompt_lengths",
+                 "completions": "tokens", "completion_lengths": "lengths",
+                 "sampler_logprobs": "logprobs", "routes": "routes", "model_mask": "mask"}
+        out = {k: r.local[name] for k, name in names.items() if name in r.local}
+        out["rewards"] = shaped
         return out
 
     @staticmethod
@@ -214,7 +215,7 @@ class Collector:
     def _select(self, rewards_B: jax.Array, r: Round) -> tuple[np.ndarray, np.ndarray]:
         """`select_groups` of a round; under dynamic sampling the host receives the P
         informative-group flags, nothing else."""
-        informative_P = (to_host(self._spread(rewards_B, jnp.asarray(r.positions))) > EQUAL
+        informative_P = (host.to_host(self._spread(rewards_B, jnp.asarray(r.positions))) > EQUAL
                          if self.drop_equal else None)
         return select_groups(informative_P, len(r.positions) // self.group, self.batch_size)
 
@@ -263,6 +264,6 @@ class Collector:
                "completion/length": lengths_B.mean(),
                "completion/truncated": (lengths_B >= self.shaping.max_tokens).mean(),
                "groups/all_equal": ((r_PxG.max(-1) - r_PxG.min(-1)) <= EQUAL).mean()}
-        for f, name in enumerate(self.engine.score_names):
+        for f, name in enumerate(self.source.score_names):
             out[f"reward/{name}"] = scores[:, 1 + f].mean()
         return out

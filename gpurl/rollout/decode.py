@@ -1,13 +1,9 @@
-"""Host side of generation: stop strings as token ids, and text of the rows this process
-addresses. Nothing here iterates or fetches an array the process cannot fully address."""
+"""Host side of generation: stop strings as token ids, and text cut at a stop string."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 from typing import Sequence
-
-import jax
-import numpy as np
 
 from gpurl.models.tokenizer import Tokenizer
 
@@ -31,13 +27,3 @@ def truncate(text: str, stop: Sequence[str]) -> str:
     """Text before the first stop string."""
     cut = min((text.find(s) for s in stop if s in text), default=len(text))
     return text[:cut]
-
-
-def local_rows(array: jax.Array) -> list[tuple[int, np.ndarray]]:
-    """(first global row, rows) of each distinct shard this process holds."""
-    seen: dict[int, np.ndarray] = {}
-    for shard in array.addressable_shards:
-        start = shard.index[0].start or 0
-        if start not in seen:  # tp replicas hold the same rows
-            seen[start] = np.asarray(shard.data)
-    return sorted(seen.items())

@@ -33,7 +33,7 @@ from gpurl.envs.formats import FORMATS
 from gpurl.envs.tools import ToolRaised
 from gpurl.models.tokenizer import Tokenizer
 from gpurl.rollout.decode import truncate
-from gpurl.rollout.engine import Completion, Request
+from gpurl.rollout.requests import Completion, Request
 
 # Keys of a data row that are not metadata for the environment.
 _NOT_METADATA = ("prompt", "messages")

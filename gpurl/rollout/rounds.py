@@ -1,10 +1,17 @@
 """Sampling and per-shard scoring of prompts, for training and for evaluation.
 
 Every process generates the rows of its slice of the prompts (`engine.Engine`: continuous
-batching over decode slots), its devices score their
-own shards (`ShardedScorer`: shard_map + io_callback), and the scores stay on device,
-sharded like the rows: nothing here iterates an array the process cannot address. Only
-evaluation brings scores to the host, to count correct answers.
+batching over decode slots), its devices score their own shards (`ShardedScorer`:
+shard_map + io_callback), and the scores stay on device, sharded like the rows: nothing
+here iterates an array the process cannot address. Only evaluation brings scores to the
+host, to count correct answers.
+
+A round's completions are on this process's host when the engine returns them; they stay
+there (`Round.local`) until the trainer's batch is assembled, which puts them on the
+trainer's devices: the tokens cross to a device once. Scoring needs only the row ids on
+the devices (each shard's callback reads its rows' tokens from its host), and the rollout
+mesh receives only the lengths (reward shaping and statistics) and, multi-turn, the
+masks and the environment's figures.
 """
 
 from __future__ import annotations
@@ -17,29 +24,24 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
 
 from gpurl.config import ConfigError, EnvConfig, MeshConfig, RolloutConfig
-from gpurl.distributed import runtime
+from gpurl.distributed import host, runtime
 from gpurl.distributed.mesh import rollout_mesh
 from gpurl.models.spec import ModelSpec, Params
 from gpurl.models.tokenizer import Tokenizer
 from gpurl.rewards import Reward
 from gpurl.rollout.decode import stop_token_ids
-from gpurl.rollout.engine import Completion, Engine, Rollout
+from gpurl.rollout.engine import Engine
+from gpurl.rollout.programs import Rollout
+from gpurl.rollout.requests import Completion
 from gpurl.rollout.multiturn import EnvFactory, Episodes
 from gpurl.rollout.prompts import Prompts
 from gpurl.rollout.scoring import RowContext, ShardedScorer
 
 # A completion counts as correct when the first reward function gives it at least this.
 CORRECT = 1.0 - 1e-6
-
-
-def to_host(x: jax.Array) -> np.ndarray:
-    """The whole (small) array on every process's host."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def row_seeds(seed: int, step: int, rnd: int, rows: int) -> np.ndarray:
@@ -52,11 +54,13 @@ def row_seeds(seed: int, step: int, rnd: int, rows: int) -> np.ndarray:
 class Round:
     """One rollout round: completions of G samples per prompt, and their scores. Device
     arrays are in device-row order (each process's rows, padding last) and sharded over
-    the rollout mesh."""
+    the rollout mesh (`sharding`); `local` holds this process's rows on the host."""
 
-    rollout: Rollout  # tokens B x N, lengths B, sampler logprobs B x N (multi-turn: mask B x N)
-    prompt_tokens: jax.Array  # B x W, rows as the rollout
-    prompt_lengths: jax.Array  # B
+    # this process's rows (B_local, device-row order): "tokens" x N, "lengths", "logprobs"
+    # x N, "prompt_tokens" x W, "prompt_lengths"; routing replay "routes" x N x L x k;
+    # multi-turn "mask" x N (1 on the model's tokens)
+    local: dict[str, np.ndarray]
+    lengths: jax.Array  # B: completion lengths
     # B x (2 + functions): weighted total, each function's score, failed (`ShardedScorer`);
     # with an environment its trajectory reward is column 1 and in the total
     scores: jax.Array
@@ -65,29 +69,52 @@ class Round:
     positions: np.ndarray  # host, one per global row r: its device row
     rollout_s: float
     reward_s: float
-    engine: dict[str, float]  # the rollout engine's counts (`Engine.stats`)
+    counts: dict[str, float]  # the rollout engine's counts (`Engine.stats`)
+    sharding: NamedSharding  # the rollout rows
     env: jax.Array | None = None  # B x 3 with an environment: trajectory reward, turns, error
+    mask: jax.Array | None = None  # B x N with an environment: 1 on the model's tokens
+
+    @functools.cached_property
+    def rollout(self) -> Rollout:
+        """The completions on the rollout mesh, put there when first asked for (the
+        trainer's batch takes them from the host instead)."""
+        put = functools.partial(host.to_device, sharding=self.sharding)
+        routes = self.local.get("routes")
+        return Rollout(put(self.local["tokens"]), self.lengths, put(self.local["logprobs"]),
+                       None if routes is None else put(routes), self.mask)
 
 
-class RolloutEngine:
-    """Samples `group` completions per prompt on the rollout mesh and scores them. With an
+def stop_strings(rollout: RolloutConfig, env: EnvConfig | None) -> tuple[str, ...]:
+    """What ends a completion: rollout.stop, and an environment's turn ends."""
+    return tuple(rollout.stop) + (tuple(env.stop) if env is not None and env.on else ())
+
+
+def rollout_engine(spec: ModelSpec, tokenizer: Tokenizer, rollout: RolloutConfig,
+                   mesh: MeshConfig, devices: Sequence[jax.Device] | None = None,
+                   env: EnvConfig | None = None) -> Engine:
+    """The rollout engine on the rollout mesh (`devices`: split placement's), stopping at
+    EOS and the tokens of `stop_strings`."""
+    stop = stop_strings(rollout, env)
+    return Engine(spec, rollout, rollout_mesh(mesh, devices), mesh.sample_rules,
+                  stop_ids=stop_token_ids(tokenizer, stop), pad_id=tokenizer.pad_id)
+
+
+class Rounds:
+    """Samples `group` completions per prompt with `engine` and scores them. With an
     environment (`env.name`) a completion is a multi-turn trajectory (`multiturn`): its
     model turns and the environment's observations, `env.max_tokens` wide; its reward is
     the environment's plus the reward functions' score of the last model turn."""
 
-    def __init__(self, spec: ModelSpec, tokenizer: Tokenizer, rollout: RolloutConfig,
-                 mesh: MeshConfig, rewards: Sequence[Reward], prompt_width: int,
-                 devices: Sequence[jax.Device] | None = None, env: EnvConfig | None = None):
-        self.tokenizer, self.rewards, self.prompt_width = tokenizer, list(rewards), prompt_width
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, rewards: Sequence[Reward],
+                 prompt_width: int, env: EnvConfig | None = None):
+        self.engine, self.tokenizer, self.rewards = engine, tokenizer, list(rewards)
+        self.prompt_width = prompt_width
         self.env = env if env is not None and env.on else None
-        stop = tuple(rollout.stop) + (tuple(self.env.stop) if self.env else ())
+        self.stop = stop_strings(engine.cfg, self.env)
         self.factory = EnvFactory(self.env) if self.env else None
-        self.sampler = Engine(spec, rollout, rollout_mesh(mesh, devices), mesh.sample_rules,
-                              stop_ids=stop_token_ids(tokenizer, stop), pad_id=tokenizer.pad_id)
-        self.scorer = ShardedScorer(self.sampler.mesh, self.rewards, tokenizer, stop)
+        self.scorer = ShardedScorer(engine.mesh, self.rewards, tokenizer, self.stop)
         # completion width: a trajectory's tokens after the prompt, or one completion's
-        self.width = self.env.max_tokens if self.env else rollout.max_new_tokens
-        self.stop = stop
+        self.width = self.env.max_tokens if self.env else engine.cfg.max_new_tokens
         self.episodes: Episodes | None = None  # the last round's trajectories
         self._with_env = jax.jit(_with_env)
 
@@ -104,7 +131,7 @@ class RolloutEngine:
 
     def padded_rows(self, rows: int) -> int:
         """This process's rows rounded up to a multiple of its rollout data shards."""
-        shards = self.sampler.local_shards
+        shards = self.engine.local_shards
         return -(-rows // shards) * shards
 
     def run(self, params: Params, prompts: Prompts, indices: np.ndarray, group: int,
@@ -112,6 +139,7 @@ class RolloutEngine:
         """Generates `group` completions for each prompt index (-1 = padding) and scores
         them. `indices` (prompts) and `seeds` (rows) are global; each process takes its
         slice. Global row r = prompt r // group, sample r % group."""
+        engine = self.engine
         count, rank = runtime.process_count(), runtime.process_index()
         per = len(indices) // count * group  # rows of each process
         ids = np.repeat(indices, group)[rank * per:(rank + 1) * per]
@@ -122,76 +150,68 @@ class RolloutEngine:
         local_seeds[:per] = seeds[rank * per:(rank + 1) * per]
         local_ids = np.full(padded, -1, np.int32)
         local_ids[:per] = np.where(ids >= 0, rank * per + np.arange(per), -1)
-        requests = [self.sampler.request(t, s, max_new_tokens=self._turn_tokens(),
-                                         temperature=temperature)
+        requests = [engine.request(t, s, max_new_tokens=self._turn_tokens(), temperature=temperature)
                     for t, s in zip(tokens, local_seeds)]
         t0 = time.perf_counter()
-        env = None
+        put = functools.partial(host.to_device, sharding=engine.rows)
+        env = mask = None
         if self.env:
             rows = [prompts.rows[i] if i >= 0 else None for i in ids] + [None] * (padded - per)
             self.episodes = Episodes(self.factory, self.tokenizer, self.stop, self.width,
-                                     self.sampler.cfg.max_new_tokens, self.sampler.routes_shape)
+                                     engine.cfg.max_new_tokens, engine.routes_shape)
             requests = self.episodes.begin(rows, local_ids.tolist(), requests)
-            self.sampler.generate(params, requests, resume=self.episodes.resume,
-                                  prefill_width=self.prompt_width)
-            arrays = self.episodes.arrays(self.width, self.sampler.pad_id)
-            put = functools.partial(jax.make_array_from_process_local_data, self.sampler.rows)
-            rollout = Rollout(put(arrays["tokens"]), put(arrays["lengths"]), put(arrays["logprobs"]),
-                              put(arrays["routes"]) if "routes" in arrays else None,
-                              put(arrays["mask"]))
-            scored = (put(arrays["final"]), put(arrays["final_lengths"]))
-            env = put(arrays["env"])
+            engine.generate(params, requests, resume=self.episodes.resume,
+                            prefill_width=self.prompt_width)
+            arrays = self.episodes.arrays(self.width, engine.pad_id)
+            local = {k: arrays[k] for k in ("tokens", "lengths", "logprobs", "routes", "mask")
+                     if k in arrays}
+            scored = (arrays["final"], arrays["final_lengths"])
+            env, mask = put(arrays["env"]), put(arrays["mask"])
         else:
-            done = self.sampler.generate(params, requests, prefill_width=self.prompt_width)
-            rollout = self._rollout(done)
-            scored = (rollout.tokens, rollout.lengths)
-        prompt_tokens, prompt_lengths = self._prompts(tokens)  # the trainer's sequences reuse them
+            local = self._completions(engine.generate(params, requests,
+                                                      prefill_width=self.prompt_width))
+            scored = (local["tokens"], local["lengths"])
+        local["prompt_tokens"], local["prompt_lengths"] = self._prompts(tokens)
         t1 = time.perf_counter()
         global_rows = [prompts.rows[i] if i >= 0 else prompts.rows[0] for i in indices]
-        row_ids = jax.make_array_from_process_local_data(self.sampler.rows, local_ids)
-        scores = self.scorer(*scored, row_ids, RowContext(global_rows, group))
+        row_ids = put(local_ids)
+        scores = self.scorer(row_ids, RowContext(global_rows, group, local_ids, *scored))
         functions = scores[:, 0]
         if env is not None:
             scores = self._with_env(scores, env, row_ids)
         # Device row of global row r: processes hold `padded` rows each, real ones first.
         positions = (np.arange(count)[:, None] * padded + np.arange(per)[None]).reshape(-1)
-        return Round(rollout, prompt_tokens, prompt_lengths, scores, functions, row_ids, positions,
-                     t1 - t0, time.perf_counter() - t1, dict(self.sampler.stats), env)
+        return Round(local, put(local["lengths"]), scores, functions, row_ids, positions,
+                     t1 - t0, time.perf_counter() - t1, dict(engine.stats), engine.rows, env, mask)
 
     def _turn_tokens(self) -> int:
         """Tokens a first request may draw: a turn's limit, within the trajectory's."""
-        return min(self.sampler.cfg.max_new_tokens, self.width)
+        return min(self.engine.cfg.max_new_tokens, self.width)
 
-    def _rollout(self, done: list[Completion]) -> Rollout:
-        """This process's completions as the global row-sharded Rollout (B x N)."""
-        n = self.sampler.cfg.max_new_tokens
-        tokens_BxN = np.full((len(done), n), self.sampler.pad_id, np.int32)
-        logprobs_BxN = np.zeros((len(done), n), np.float32)
-        lengths_B = np.zeros(len(done), np.int32)
-        recorded = done and done[0].routes is not None
-        routes = (np.full((len(done), n, *done[0].routes.shape[1:]), -1, np.int16)
-                  if recorded else None)
+    def _completions(self, done: list[Completion]) -> dict[str, np.ndarray]:
+        """This process's completions as arrays (B_local x N, padded)."""
+        n = self.engine.cfg.max_new_tokens
+        out = {"tokens": np.full((len(done), n), self.engine.pad_id, np.int32),
+               "logprobs": np.zeros((len(done), n), np.float32),
+               "lengths": np.asarray([len(c.tokens) for c in done], np.int32)}
+        if done and done[0].routes is not None:
+            out["routes"] = np.full((len(done), n, *done[0].routes.shape[1:]), -1, np.int16)
         for b, c in enumerate(done):
-            tokens_BxN[b, :len(c.tokens)], logprobs_BxN[b, :len(c.tokens)] = c.tokens, c.logprobs
-            lengths_B[b] = len(c.tokens)
-            if recorded:
-                routes[b, :len(c.tokens)] = c.routes
-        put = functools.partial(jax.make_array_from_process_local_data, self.sampler.rows)
-        return Rollout(put(tokens_BxN), put(lengths_B), put(logprobs_BxN),
-                       put(routes) if recorded else None)
+            out["tokens"][b, :len(c.tokens)], out["logprobs"][b, :len(c.tokens)] = c.tokens, c.logprobs
+            if "routes" in out:
+                out["routes"][b, :len(c.tokens)] = c.routes
+        return out
 
-    def _prompts(self, tokens: list[list[int]]) -> tuple[jax.Array, jax.Array]:
-        """(prompts right-padded to the prompt width B x W, their lengths B), row-sharded."""
+    def _prompts(self, tokens: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(prompts right-padded to the prompt width B x W, their lengths B), this process's."""
         width = self.prompt_width
         if max(len(t) for t in tokens) > width:
             raise ConfigError(f"a prompt has {max(len(t) for t in tokens)} tokens, more than the "
                               f"{width} allowed; shorten the prompt or raise data.max_len.")
-        prompt_BxW = np.full((len(tokens), width), self.sampler.pad_id, np.int32)
+        prompt_BxW = np.full((len(tokens), width), self.engine.pad_id, np.int32)
         for b, t in enumerate(tokens):
             prompt_BxW[b, :len(t)] = t
-        lengths_B = np.asarray([len(t) for t in tokens], np.int32)
-        put = functools.partial(jax.make_array_from_process_local_data, self.sampler.rows)
-        return put(prompt_BxW), put(lengths_B)
+        return prompt_BxW, np.asarray([len(t) for t in tokens], np.int32)
 
     def evaluate(self, params: Params, prompts: Prompts, pass_k: int, batch_rows: int,
                  seed: int) -> dict[str, float]:
@@ -220,7 +240,7 @@ class RolloutEngine:
             idx = np.where(idx < n, idx, -1)
             seeds = row_seeds(seed, 2**31, start, len(idx) * k)
             r = self.run(params, prompts, idx, k, seeds, temperature)
-            scores = to_host(r.scores)[r.positions]
+            scores = host.to_host(r.scores)[r.positions]
             chunks.append(scores.reshape(len(idx), k, -1)[idx >= 0])
         return np.concatenate(chunks)
 

@@ -1,11 +1,13 @@
 """Rewards computed where the completions live: `shard_map` over every mesh axis with one
 `io_callback` per shard.
 
-Each device holds a distinct slice of the rows (rows are split over all mesh axes, so a
-tensor-parallel replica does not score its rows twice); its callback decodes those rows
-on the host that owns the device, calls the reward functions, and returns the scores as
-that device's slice of a sharded array. No process fetches or iterates rows it does not
-address, and every row is scored exactly once in the whole job.
+Each device holds a distinct slice of the rows' ids (rows are split over all mesh axes, so
+a tensor-parallel replica does not score its rows twice); its callback, on the host that
+owns the device, looks those rows' tokens up among the completions that host generated
+(`RowContext`: they never went to a device for this), decodes them, calls the reward
+functions, and returns the scores as that device's slice of a sharded array. No process
+fetches or iterates rows it does not address, and every row is scored exactly once in the
+whole job.
 """
 
 from __future__ import annotations
@@ -31,14 +33,24 @@ _NOT_METADATA = ("prompt", "messages")
 @dataclass(frozen=True)
 class RowContext:
     """What the host needs to score global row r: the prompt row (text + metadata) of
-    row r is `rows[r // group]`."""
+    row r is `rows[r // group]`; this process's completions are `tokens` (B_local x N) and
+    `lengths`, of global rows `ids` (-1: padding)."""
 
     rows: Sequence[dict]
-    group: int = 1
+    group: int
+    ids: np.ndarray
+    tokens: np.ndarray
+    lengths: np.ndarray
+
+    def local(self, ids_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, lengths) of global rows `ids_B`, all of them this process's."""
+        where = {int(r): i for i, r in enumerate(self.ids) if r >= 0}
+        at = np.asarray([where[int(r)] for r in ids_B], np.int64)
+        return self.tokens[at], self.lengths[at]
 
 
 class ShardedScorer:
-    """`scorer(tokens_BxN, lengths_B, row_ids_B, context)` -> B x (2 + functions) float32
+    """`scorer(row_ids_B, context)` -> B x (2 + functions) float32
     sharded like the rows: column 0 is the weighted total, column 1 + f reward function f's
     score, the last column 1 where a function failed and the row was scored 0
     (rewards.on_error=zero). Row id -1 marks a padding row (scored 0, no function called)."""
@@ -54,19 +66,18 @@ class ShardedScorer:
         self.calls = 0  # rows scored by this process (a test counts them across processes)
         width = 2 + len(self.rewards)
 
-        def per_shard(tokens_BxN, lengths_B, ids_B):
-            out = jax.ShapeDtypeStruct((tokens_BxN.shape[0], width), jnp.float32)
-            return io_callback(self._host, out, tokens_BxN, lengths_B, ids_B)
+        def per_shard(ids_B):
+            out = jax.ShapeDtypeStruct((ids_B.shape[0], width), jnp.float32)
+            return io_callback(self._host, out, ids_B)
 
         spec = P(self.axes)
-        self._fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec),
-                                         out_specs=spec))
+        self._fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec))
 
-    def __call__(self, tokens_BxN: jax.Array, lengths_B: jax.Array, row_ids_B: jax.Array,
-                 context: RowContext) -> jax.Array:
+    def __call__(self, row_ids_B: jax.Array, context: RowContext) -> jax.Array:
+        """Scores of the rows `row_ids_B` (row-sharded). Waits for them: a failed reward
+        function is raised here, before anything trains on the round."""
         self._context, self._error = context, None
-        args = [jax.device_put(x, self.rows) for x in (tokens_BxN, lengths_B, row_ids_B)]
-        scores = jax.block_until_ready(self._fn(*args))
+        scores = jax.block_until_ready(self._fn(jax.device_put(row_ids_B, self.rows)))
         if self._error is not None:  # re-raised here: inside XLA it would be wrapped
             raise self._error
         return scores
@@ -75,9 +86,9 @@ class ShardedScorer:
         return [truncate(self.tokenizer.decode(row[:n]), self.stop)
                 for row, n in zip(tokens_BxN, lengths_B)]
 
-    def _host(self, tokens_BxN: Any, lengths_B: Any, ids_B: Any) -> np.ndarray:
+    def _host(self, ids_B: Any) -> np.ndarray:
         """One shard's rows (B of them) scored on the host that holds the shard."""
-        tokens_BxN, lengths_B, ids_B = (np.asarray(x) for x in (tokens_BxN, lengths_B, ids_B))
+        ids_B = np.asarray(ids_B)
         out = np.zeros((len(ids_B), 2 + len(self.rewards)), np.float32)
         real = np.flatnonzero(ids_B >= 0)
         if real.size == 0:
@@ -86,7 +97,7 @@ class ShardedScorer:
         rows = [ctx.rows[int(ids_B[i]) // ctx.group] for i in real]
         keys = [k for k in rows[0] if k not in _NOT_METADATA]
         metadata = {k: [row.get(k) for row in rows] for k in keys}
-        completions = self.completions(tokens_BxN[real], lengths_B[real])
+        completions = self.completions(*ctx.local(ids_B[real]))
         try:
             scores = score_rows(self.rewards, [r["prompt"] for r in rows], completions,
                                 metadata, first_row=int(ids_B[real[0]]))

@@ -28,7 +28,7 @@ from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.config import Config, ConfigError, ModelConfig
 from gpurl.config.dicts import to_dict, upgrade
-from gpurl.distributed import runtime
+from gpurl.distributed import host, runtime
 from gpurl.distributed.mesh import batch_divisor, trainer_mesh
 from gpurl.models import count_params, loading
 from gpurl.train.checkpoint import Checkpointer
@@ -61,7 +61,7 @@ class _Stop:
     def agreed(self) -> bool:
         """Whether any process got SIGTERM: the signal reaches processes at different
         steps, and the checkpoint is a collective every process must join at the same one."""
-        return runtime.any_process(self.requested)
+        return host.any_process(self.requested)
 
     def restore(self) -> None:
         signal.signal(signal.SIGTERM, self._previous)

@@ -21,7 +21,7 @@ import numpy as np
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.config import Config, ConfigError, PlanConfig
-from gpurl.distributed import layout, runtime, targets
+from gpurl.distributed import host, layout, targets
 from gpurl.distributed.mesh import batch_divisor, held_bytes
 from gpurl.models.transformer import remat_policy
 from gpurl.rollout.engine import Engine
@@ -243,6 +243,6 @@ def check(cfg: Config, plans: list[ProgramPlan]) -> None:
     if not plans:
         return
     bad = next((p for p in plans if not p.fits), None)
-    if runtime.any_process(bad is not None):
+    if host.any_process(bad is not None):
         worst = bad or max(plans, key=lambda p: p.total / p.limit)
         raise ConfigError(advice(cfg, worst))

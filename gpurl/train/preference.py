@@ -34,9 +34,9 @@ from gpurl.distributed.sync import WeightSync
 from gpurl.models import lora
 from gpurl.models.spec import Params
 from gpurl.rewards import from_config as load_rewards
-from gpurl.rollout.rounds import RolloutEngine
+from gpurl.rollout.rounds import Rounds, rollout_engine
 from gpurl.rollout.prompts import encode_prompts
-from gpurl.rollout.engine import MIN_PROMPT_BUCKET, bucket
+from gpurl.rollout.requests import prompt_width
 from gpurl.train.plan import abstract, shard_bytes, sharded
 from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.stepper import Setup, Stepper
@@ -210,7 +210,7 @@ def _has_task(rewards: RewardsConfig, rows: list[dict]) -> bool:
 
 
 class _TaskEval:
-    """Greedy accuracy on the distinct held-out prompts (`RolloutEngine.evaluate`, as in RL)."""
+    """Greedy accuracy on the distinct held-out prompts (`Rounds.evaluate`, as in RL)."""
 
     def __init__(self, setup: Setup, data: DataConfig, rollout: RolloutConfig,
                  mesh: MeshConfig, rewards: RewardsConfig, rows: list[dict],
@@ -220,13 +220,13 @@ class _TaskEval:
         self.prompts, _ = encode_prompts(distinct, setup.tokenizer, data.chat_template,
                                          data.max_len, "eval")
         functions = load_rewards(rewards, default_rewards(data))
-        width = bucket(max(len(t) for t in self.prompts.tokens), MIN_PROMPT_BUCKET)
-        self.engine = RolloutEngine(setup.spec.policy, setup.tokenizer, rollout, mesh,
-                                    functions, width)
-        self.sync = WeightSync(setup.place.state.params, self.engine.sampler.abstract_params)
+        width = prompt_width(max(len(t) for t in self.prompts.tokens))
+        engine = rollout_engine(setup.spec.policy, setup.tokenizer, rollout, mesh)
+        self.rounds = Rounds(engine, setup.tokenizer, functions, width)
+        self.sync = WeightSync(setup.place.state.params, engine.abstract_params)
         self.describe = (f"greedy accuracy on {len(self.prompts)} prompts "
                          f"({functions[0].name} >= 1)")
 
     def __call__(self, params: Params) -> dict[str, Any]:
-        return self.engine.evaluate(self.sync(params), self.prompts, 0,
+        return self.rounds.evaluate(self.sync(params), self.prompts, 0,
                                     self.train.eval_batch_size, self.train.seed)

@@ -27,7 +27,7 @@ from gpurl.algorithms.rl import RLContext, RLInputs
 from gpurl.config import (Config, ConfigError, DataConfig, EnvConfig, MeshConfig, PolicyGradientConfig,
                           RewardsConfig, RolloutConfig, TrainConfig)
 from gpurl.data.sources import default_rewards, load_prompts
-from gpurl.distributed import layout, runtime
+from gpurl.distributed import host, layout, runtime
 from gpurl.data import packing
 from gpurl.distributed.mesh import batch_divisor, placement_devices, replicated
 from gpurl.distributed.sync import WeightSync
@@ -35,10 +35,9 @@ from gpurl.models import lora
 from gpurl.models.spec import Params
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.collect import Collector, Shaping
-from gpurl.rollout.decode import local_rows
-from gpurl.rollout.rounds import Round, RolloutEngine, to_host
+from gpurl.rollout.rounds import Round, Rounds, rollout_engine
 from gpurl.rollout.prompts import Prompts, encode_prompts
-from gpurl.rollout.engine import MIN_PROMPT_BUCKET, bucket
+from gpurl.rollout.requests import prompt_width
 from gpurl.train.metrics import DeviceTimer, Sum
 from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.stepper import Setup, Stepper
@@ -93,18 +92,18 @@ class RLStepper(Stepper):
         beside = self._state_bytes() + self._frozen_bytes() if mesh.placement == "colocated" else 0.0
         mesh, self.layout = layout.resolve(mesh, spec.policy, placement_devices(mesh)[1],
                                            memory - beside)
-        self.engine = RolloutEngine(spec.policy, setup.tokenizer, rollout, mesh, self.functions,
-                                    bucket(longest, MIN_PROMPT_BUCKET), placement_devices(mesh)[1],
-                                    env=env)
+        self.engine = rollout_engine(spec.policy, setup.tokenizer, rollout, mesh,
+                                     placement_devices(mesh)[1], env)
+        self.rounds = Rounds(self.engine, setup.tokenizer, self.functions, prompt_width(longest), env)
         self.sync = WeightSync(spec.policy_params(place.state.params),
-                               self.engine.sampler.abstract_params)
+                               self.engine.abstract_params)
         self._check_rows()
         # With a reward model and no reward functions named, the functions (the data's
         # answer check) only report; the reward model's score is the reward.
-        shaping = Shaping(self.engine.width, algo.overlong_buffer, algo.overlong_penalty,
+        shaping = Shaping(self.rounds.width, algo.overlong_buffer, algo.overlong_penalty,
                           0.0 if self.reward_spec is not None and not rewards.functions else 1.0)
         self.collector = Collector(
-            self.engine, self.prompts, group=algo.num_generations, batch_size=train.batch_size,
+            self.rounds, self.prompts, group=algo.num_generations, batch_size=train.batch_size,
             seed=train.seed, shaping=shaping, drop_equal=algo.dynamic_sampling,
             rounds=1 + (algo.max_refills if algo.dynamic_sampling else 0),
             to_trainer=self._to_trainer, batch_sharding=place.batch,
@@ -122,7 +121,7 @@ class RLStepper(Stepper):
         self.shards = batch_divisor(place.mesh, mesh.train_rules)
         self.budget = train.micro_batch_tokens or packing.default_budget(
             train.batch_size // train.num_micro_batches, algo.num_generations,
-            self.engine.prompt_width + self.engine.width, self.shards)
+            self.rounds.prompt_width + self.rounds.width, self.shards)
         self.pad_id = setup.tokenizer.pad_id
         ctx = RLContext(spec, rollout.temperature, self.reward_spec, off_policy=self.overlap)
         self._prepare = jit_rows(functools.partial(self._prepare_fn, ctx), place,
@@ -152,13 +151,13 @@ class RLStepper(Stepper):
     def _collected_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The collector's arrays of a step, as the prepare step takes them."""
         p, g = self.train.batch_size, self.algo.num_generations
-        n, w = self.engine.width, self.engine.prompt_width
+        n, w = self.rounds.width, self.rounds.prompt_width
         i32, f32 = jnp.int32, jnp.float32
         sds = jax.ShapeDtypeStruct
         collected = {"prompt_tokens": sds((p, w), i32), "prompt_lengths": sds((p,), i32),
                      "completions": sds((p, g, n), i32), "completion_lengths": sds((p, g), i32),
                      "comp_mask": sds((p, g, n), f32), "sampler_logprobs": sds((p, g, n), f32)}
-        replayed = self.engine.sampler.routes_shape
+        replayed = self.engine.routes_shape
         if replayed is not None:  # routing replay: the sampler's experts per token
             collected["routes"] = sds((p, g, n, *replayed), jnp.int16)
         if self.train.packed:  # a longest prompt and completion: w + n slots
@@ -181,16 +180,16 @@ class RLStepper(Stepper):
         rollout round's prefill and decode chunk."""
         collected = sharded(self._collected_spec(), self.setup.place.batch)
         return [("prepare", self._prepare, self._prepare_args(collected)),
-                *self.engine.sampler.round_programs(*self._round_shape())]
+                *self.engine.round_programs(*self._round_shape())]
 
     def rollout_round(self) -> tuple[Any, int, int, int]:
-        return (self.engine.sampler, *self._round_shape())
+        return (self.engine, *self._round_shape())
 
     def _round_shape(self) -> tuple[int, int, int]:
         """(requests per process, prompt width, identical runs) of a step's rollout round."""
         rows, g = self.train.batch_size * self.algo.num_generations, self.algo.num_generations
-        group = math.gcd(g, rows // max(self.engine.sampler.mesh.shape["data"], 1))
-        return rows // runtime.process_count(), self.engine.plan_width, group
+        group = math.gcd(g, rows // max(self.engine.mesh.shape["data"], 1))
+        return rows // runtime.process_count(), self.rounds.plan_width, group
 
     def _frozen_bytes(self) -> float:
         """The reference, the reward model and a distillation teacher, per trainer device."""
@@ -233,7 +232,7 @@ class RLStepper(Stepper):
         resident = 0.0
         if self.sync.colocated:
             resident = self._state_bytes() - self._sampling_copy()[1] + self._frozen_bytes()
-        plan = plan_rollout(self.engine.sampler, *self._round_shape(), resident, limit)
+        plan = plan_rollout(self.engine, *self._round_shape(), resident, limit)
         plan.notes.append(self.layout)
         return plan
 
@@ -246,10 +245,10 @@ class RLStepper(Stepper):
     def plan_prompt_len(self, tokens: int) -> None:
         """Rollouts of prompts padded to `tokens` (rounded up to a bucket) instead of the
         data's longest: what `gpurl plan` compiles and counts."""
-        self.engine.prompt_width = bucket(tokens, MIN_PROMPT_BUCKET)
+        self.rounds.prompt_width = prompt_width(tokens)
 
     def describe(self) -> str:
-        env, functions = self.engine.env, ", ".join(r.name for r in self.engine.rewards)
+        env, functions = self.rounds.env, ", ".join(r.name for r in self.rounds.rewards)
         summed = [f"environment {env.name}"] if env is not None else []
         if self.reward_spec is not None:
             summed.append(f"reward model {self.algo.reward_model}")
@@ -270,27 +269,29 @@ class RLStepper(Stepper):
         return (f"{len(self.prompts)} train prompts, {len(self.evals) if self.evals else 0} eval "
                 f"prompts ({self.skipped} longer than data.max_len skipped), "
                 f"G={self.algo.num_generations}, rewards: {names}{ahead}; rollout "
-                f"{dict(self.engine.sampler.mesh.shape)} ({self.layout})")
+                f"{dict(self.engine.mesh.shape)} ({self.layout})")
 
     def _check_rows(self) -> None:
         rows = self.train.batch_size * self.algo.num_generations
         count = runtime.process_count()
-        shards = self.engine.sampler.mesh.shape["data"]
+        shards = self.engine.mesh.shape["data"]
         if self.train.batch_size % count or rows % max(shards, 1):
             raise ConfigError(
                 f"train.batch_size={self.train.batch_size} prompts x algo.num_generations="
                 f"{self.algo.num_generations} = {rows} rows must split evenly over {count} "
                 f"processes and {shards} rollout data shards; change train.batch_size.")
 
-    def _to_trainer(self, x: jax.Array) -> jax.Array:
-        """Rollout rows onto the trainer mesh. Split placement: through this host (a few
-        KB of tokens), since each process's rows are on its own rollout devices and go to
-        its own trainer devices; a device-to-device copy across device sets would need a
-        cross-host transfer that multi-process GPU runtimes do not offer for this case."""
+    def _to_trainer(self, x: jax.Array | np.ndarray) -> jax.Array:
+        """Rollout rows onto the trainer mesh: this process's rows from its host, or a
+        device array of the rollout mesh. Split placement brings the latter through this
+        host (a few bytes a row), since each process's rows are on its own rollout devices
+        and go to its own trainer devices; a device-to-device copy across device sets would
+        need a cross-host transfer that multi-process GPU runtimes do not offer here."""
+        if isinstance(x, np.ndarray):
+            return host.to_device(x, self.setup.place.batch)
         if self.sync.colocated:
             return jax.device_put(x, self.setup.place.batch)
-        local = np.concatenate([rows for _, rows in local_rows(x)])
-        return jax.make_array_from_process_local_data(self.setup.place.batch, local)
+        return host.to_device(host.local(x), self.setup.place.batch)
 
     def _prepare_fn(self, ctx: RLContext, params: Any, ref_params: Any, rm_params: Any,
                     teacher: Any, batch: dict, rewards_B: jax.Array, carry: dict
@@ -339,7 +340,7 @@ class RLStepper(Stepper):
     def _pack(self, batch: dict) -> packing.Plan:
         """The packed layout of a collected batch, planned on every process from the
         batch's lengths (one gather of P x (1 + G) numbers; the same plan everywhere)."""
-        lengths_PxG1 = to_host(jnp.concatenate([batch["prompt_lengths"][:, None],
+        lengths_PxG1 = host.to_host(jnp.concatenate([batch["prompt_lengths"][:, None],
                                                 batch["completion_lengths"]], axis=1))
         return packing.plan(lengths_PxG1[:, 0], lengths_PxG1[:, 1:], batch["prompt_tokens"].shape[1],
                             batch["completions"].shape[2], self.budget, self.shards,
@@ -380,7 +381,7 @@ class RLStepper(Stepper):
 
     def evaluate(self, params: Any) -> dict[str, float]:
         params = self.sync(self.setup.spec.policy_params(params))
-        return self.engine.evaluate(params, self.evals, self.train.eval_pass_k,
+        return self.rounds.evaluate(params, self.evals, self.train.eval_pass_k,
                                     self.train.eval_batch_size, self.train.seed)
 
 

@@ -1,5 +1,6 @@
-"""The static sampler, kept as the tests' reference for the rollout engine (`engine.py`):
-batched generation with a KV cache, one jitted call doing the prefill and the decode loop.
+"""The static sampler, the reference the rollout engine (`engine.py`) is tested against and
+the benchmarks' simplest baseline: batched generation with a KV cache, one jitted call
+doing the prefill and the decode loop.
 
 Prompts are right-padded to a length bucket and the batch to a batch bucket, so a long
 run compiles a bounded number of programs. Row b's tokens keep their true positions
@@ -26,11 +27,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpurl.config import ConfigError, RolloutConfig
-from gpurl.distributed import runtime
+from gpurl.distributed import host
 from gpurl.distributed.mesh import Rules, replicated
 from gpurl.models.spec import ModelSpec, Params
 from gpurl.models.transformer import KVCache, init_cache
-from gpurl.rollout.engine import MIN_PROMPT_BUCKET, Generator, Rollout, bucket
+from gpurl.rollout.programs import Rollout, RolloutModel
+from gpurl.rollout.requests import bucket, prompt_width
 from gpurl.rollout.sampling import sample
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class _Static:
 
 
 class Prepared(tuple):
-    """`Sampler.prepare`'s (prompt tokens B x P, prompt lengths B, seeds B), plus `group`:
+    """`StaticSampler.prepare`'s (prompt tokens B x P, prompt lengths B, seeds B), plus `group`:
     the rows come in runs of `group` identical prompts (1 = no sharing)."""
 
     group: int
@@ -56,7 +58,7 @@ class Prepared(tuple):
         return out
 
 
-class Sampler(Generator):
+class StaticSampler(RolloutModel):
     """Generates completions for prompts on the rollout mesh (data, tp): one static batch."""
 
     def __init__(self, spec: ModelSpec, cfg: RolloutConfig, mesh: Mesh, rules: Rules, *,
@@ -91,7 +93,7 @@ class Sampler(Generator):
         """(padded prompt tokens B x P, prompt lengths B, seeds B) as global arrays sharded
         like the rollout rows; callers that also need the prompts on device reuse them."""
         tokens, lengths, seeds_np = self._pad(prompts, seeds, prompt_width, bucket_rows)
-        return Prepared(tuple(jax.make_array_from_process_local_data(self.rows, x)
+        return Prepared(tuple(host.to_device(x, self.rows)
                               for x in (tokens, lengths, seeds_np)), self._group(tokens, lengths))
 
     def _group(self, tokens_BxW: np.ndarray, lengths_B: np.ndarray) -> int:
@@ -104,7 +106,7 @@ class Sampler(Generator):
                 group = g
                 break
         if jax.process_count() > 1:  # one program shape for every process
-            group = int(np.gcd.reduce(runtime.gather_ints(group)))
+            group = int(np.gcd.reduce(host.gather_ints(group)))
         return group
 
     def generate_prepared(self, params: Params, batch: tuple[jax.Array, jax.Array, jax.Array],
@@ -149,12 +151,12 @@ class Sampler(Generator):
             raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts; give one seed per prompt.")
         longest = max(len(p) for p in prompts)
         if jax.process_count() > 1:  # every process must pick the same shapes
-            longest = max(runtime.gather_ints(longest))
+            longest = max(host.gather_ints(longest))
         if width is not None and longest > width:
             raise ConfigError(f"a prompt has {longest} tokens, more than the {width} allowed; "
                               f"shorten the prompt or raise data.max_len.")
         rows = self.padded_rows(len(prompts), bucket_rows)
-        width = width or bucket(longest, MIN_PROMPT_BUCKET)
+        width = width or prompt_width(longest)
         tokens = np.full((rows, width), self.pad_id, np.int32)
         lengths = np.ones(rows, np.int32)  # padding rows: a one-token prompt
         for i, p in enumerate(prompts):

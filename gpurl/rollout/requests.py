@@ -1,0 +1,45 @@
+"""What callers give the rollout engine and get back: `Request` and `Completion`, and the
+shape buckets of its programs. Plain Python (the scheduler's tests import it without JAX)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpurl.buckets import power_of_two as bucket
+
+MIN_PROMPT_BUCKET = 16
+MIN_ROWS = 2  # prefill rows: XLA's one-row matmul rounds differently from its batched one
+MIN_DECODE_ROWS = 8
+
+
+def prompt_width(tokens: int) -> int:
+    """The padded width of prompts of up to `tokens` tokens (a power of two, >= 16)."""
+    return bucket(tokens, MIN_PROMPT_BUCKET)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One completion to generate. `offset`: tokens already drawn for this completion
+    before (a resumed request), so its sampling keys continue where they stopped."""
+
+    prompt: tuple[int, ...]  # token ids, BOS included
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = all tokens
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] | None = None  # None: the engine's (EOS + rollout.stop)
+    offset: int = 0
+
+
+@dataclass
+class Completion:
+    tokens: np.ndarray  # int32: generated tokens, the stop token included
+    logprobs: np.ndarray  # float32: log-prob of each under the distribution sampled from
+    stopped: bool  # ended on a stop id (else at max_new_tokens)
+    # routing replay: the experts each token was routed to when it was fed back in
+    # (N x L sparse layers x k, int16; -1 where none was recorded: the last token, and
+    # tokens a recompute or resume prefill fed); None unless model.moe.replay_routing
+    routes: np.ndarray | None = None

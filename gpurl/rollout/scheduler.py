@@ -1,0 +1,409 @@
+"""The rollout engine's scheduler: the host state of one `Engine.generate` call, in plain
+Python (tested without JAX).
+
+Each process's requests are split over its data shards (consecutive requests, a prompt's
+group, share a shard). Per shard up to `slots` requests decode while the rest wait in a
+queue, and a `BlockPool` says which KV blocks are free. Every scheduling iteration:
+
+1. `plan`: blocks for the next decode chunk of every decoding row (where the pool runs
+   out, the most recently admitted rows give theirs back and wait at the head of the
+   queue: recomputed by a prefill when readmitted, as vLLM does), then admission of
+   queued requests into free slots with their prompt's blocks (identical prompts admitted
+   together share their full blocks). It returns this process's `Needs`.
+2. The engine agrees the needs of every process (one gather of `Needs`: the program
+   shapes, and whether anyone prefills or decodes), runs the prefill of the admitted
+   requests (`prefill_batch` -> `accept_prefill`), then one decode chunk of every live row
+   (`chunk_batch` -> `accept_chunk`).
+
+A request that finishes returns its blocks at once; `resume` may queue a follow-up in its
+place (a multi-turn environment's next turn), and the pool then grows for the longer
+sequences at the next `plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from gpurl.config import ConfigError
+from gpurl.rollout.blocks import BlockPool, blocks_needed, pool_blocks, request_blocks
+from gpurl.rollout.requests import (MIN_DECODE_ROWS, MIN_PROMPT_BUCKET, MIN_ROWS, Completion,
+                                    Request, bucket)
+
+Resume = Callable[[int, Completion], "Request | None"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The scheduler's settings (from `rollout.*`)."""
+
+    slots: int  # requests decoding at once per shard
+    block_size: int  # tokens per KV block
+    decode_chunk: int  # decode steps per device call
+    kv_cache_tokens: int = 0  # pool cap per shard (0 = sized for the requests)
+
+
+@dataclass
+class Live:
+    """A request on its way: its tokens so far and its blocks in its shard's pool."""
+
+    index: int
+    request: Request
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)  # of tokens[0], tokens[1], ...
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # tokens in the pool (the next token's position)
+    admitted: int = -1  # admission order (the newest gives its blocks back first)
+    stopped: bool = False
+
+    @property
+    def sequence(self) -> list[int]:
+        return list(self.request.prompt) + self.tokens
+
+    @property
+    def left(self) -> int:
+        return self.request.max_new_tokens - len(self.tokens)
+
+
+class Shard:
+    """Host state of one data shard: queued and decoding requests, its block pool."""
+
+    def __init__(self, blocks: int):
+        self.queue: deque[Live] = deque()
+        self.rows: list[Live] = []
+        self.pool = BlockPool(blocks)
+
+    def release(self, live: Live) -> None:
+        self.pool.release(live.blocks)
+        live.blocks = []
+
+
+class Needs(NamedTuple):
+    """One process's needs for a scheduling iteration; `agree` combines every process's
+    (the maximum of each, the sum of `queued`)."""
+
+    blocks: int  # pool blocks its requests need now (0: no change)
+    table: int  # block-table width its requests need (0: no change)
+    prefill: int  # 1 when a shard admitted requests
+    prompts: int  # distinct prompts per shard the prefill computes (bucketed)
+    rows: int  # admitted rows per shard (bucketed)
+    width: int  # the prefill's prompt width (bucketed)
+    decoding: int  # rows per shard the decode chunk steps (bucketed; 0: none)
+    queued: int  # requests waiting
+
+    @staticmethod
+    def agree(gathered: np.ndarray) -> "Needs":
+        """The iteration's agreed needs from every process's, processes x fields."""
+        out = gathered.max(axis=0)
+        out[Needs._fields.index("queued")] = gathered[:, Needs._fields.index("queued")].sum()
+        return Needs(*(int(x) for x in out))
+
+
+class Settings:
+    """Per-row sampling settings of a device call (idle rows: greedy, no stop)."""
+
+    def __init__(self, rows: int):
+        self.seeds = np.zeros(rows, np.uint32)
+        self.offsets = np.zeros(rows, np.int32)
+        self.temperature = np.zeros(rows, np.float32)
+        self.top_k = np.zeros(rows, np.int32)
+        self.top_p = np.ones(rows, np.float32)
+        self.stop_set = np.zeros(rows, np.int32)
+
+    def set(self, row: int, live: Live, stop_set: int) -> None:
+        r = live.request
+        self.seeds[row], self.offsets[row] = np.uint32(r.seed), r.offset + len(live.tokens)
+        self.temperature[row], self.top_k[row], self.top_p[row] = r.temperature, r.top_k, r.top_p
+        self.stop_set[row] = stop_set
+
+    @property
+    def sampled(self) -> bool:
+        return bool((self.temperature > 0).any())
+
+    @property
+    def truncate(self) -> bool:
+        on = self.temperature > 0
+        return bool(((self.top_k[on] > 0) | (self.top_p[on] < 1.0)).any())
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.seeds, self.offsets, self.temperature, self.top_k, self.top_p,
+                self.stop_set)
+
+
+class Scheduler:
+    """One `generate` call's requests over `shards` data shards of this process.
+    `stop_set(request)`: the index of its stop ids in the engine's device table."""
+
+    def __init__(self, requests: Sequence[Request], limits: Limits, shards: int,
+                 stop_set: Callable[[Request], int], resume: Resume | None = None,
+                 prefill_width: int = 0, routes_shape: tuple[int, int] | None = None):
+        for r in requests:
+            check(r)
+        self.limits, self.count, self.stop_set = limits, shards, stop_set
+        self.resume, self.prefill_width, self.routes_shape = resume, prefill_width, routes_shape
+        self.lives = [Live(i, r) for i, r in enumerate(requests)]
+        self.shards: list[Shard] = []
+        self.admitted: list[list[Live]] = []
+        self.done: dict[int, Completion] = {}
+        self.clock = 0  # admissions so far
+        self.grown = False  # a resumed request was queued since the last `plan`
+        self.stats = {"preempted": 0, "live_row_steps": 0}
+
+    # ------------------------------------------------------------------ the call
+
+    def first_needs(self) -> tuple[int, int, int]:
+        """(decode rows floor, block-table width, pool blocks) for the call's requests at
+        their limits, before any is admitted (the engine agrees them with its peers).
+        Decode batches shrink as rows finish, but not below MIN_DECODE_ROWS (fewer programs
+        to compile; on CPU 8 rows cost about what 4 or 2 do) unless the call starts smaller."""
+        first = min(math.ceil(len(self.lives) / self.count), self.limits.slots)
+        floor = bucket(min(max(first, 1), MIN_DECODE_ROWS))
+        per = self._per_shard()
+        groups = [self.lives[s * per:(s + 1) * per] for s in range(self.count)] if per else [[]]
+        return (floor, self._table(self.lives, self.prefill_width),
+                self._pool_need(groups, self.prefill_width))
+
+    def start(self, blocks: int) -> None:
+        """Queues the requests on the shards, each with a pool of `blocks` blocks."""
+        self.shards = [Shard(blocks) for _ in range(self.count)]
+        per = self._per_shard()
+        for i, live in enumerate(self.lives):
+            self.shards[i // per].queue.append(live)
+
+    def grow(self, blocks: int) -> None:
+        for shard in self.shards:
+            shard.pool.grow(blocks)
+
+    def completions(self) -> list[Completion]:
+        return [self.done[i] for i in range(len(self.lives))]
+
+    def plan(self) -> Needs:
+        """Grows the pools for resumed requests, reserves the next chunk's blocks, admits
+        queued requests; this process's needs for the iteration."""
+        blocks = table = 0
+        if self.grown:  # resumed requests: longer sequences than before
+            queued = [[*s.queue, *s.rows] for s in self.shards]
+            table = self._table([x for s in self.shards for x in s.queue])
+            blocks = self._pool_need(queued, 0)
+            self.grow(blocks)
+            self.grown = False
+        for shard in self.shards:
+            self._reserve(shard)
+        self.admitted = [self._admit(s) for s in self.shards]
+        prompts = rows = width = 0
+        if any(self.admitted):
+            prompts = bucket(max(len(_unique(a)[0]) for a in self.admitted), MIN_ROWS)
+            rows = bucket(max(len(a) for a in self.admitted), MIN_ROWS)
+            longest = max(len(x.sequence) for a in self.admitted for x in a)
+            width = bucket(max(longest, self.prefill_width), MIN_PROMPT_BUCKET)
+        # rows of the next decode chunk: those decoding and the admitted ones that will
+        # not have finished at their first token (unless it is a stop token)
+        decoding = max(len(s.rows) + sum(x.left > 1 for x in a)
+                       for s, a in zip(self.shards, self.admitted))
+        return Needs(blocks, table, int(any(self.admitted)), prompts, rows, width,
+                     bucket(decoding) if decoding else 0, sum(len(s.queue) for s in self.shards))
+
+    # ----------------------------------------------------------------- prefill
+
+    def prefill_batch(self, needs: Needs, pool_blocks: int, pad_id: int) -> dict[str, np.ndarray]:
+        """The prefill's host arrays (shards x rows ...) for this iteration's admissions
+        at the agreed shapes: prompt tokens and lengths of each distinct sequence, where
+        each admitted row's tokens go in the pool (out of range: not written), which
+        distinct sequence it samples from, and its sampling settings."""
+        d, p, a, w = self.count, needs.prompts, needs.rows, needs.width
+        block = self.limits.block_size
+        drop = pool_blocks * block  # a slot past the pool: the write is dropped
+        out = {"tokens": np.full((d, p, w), pad_id, np.int32),
+               "lengths": np.ones((d, p), np.int32),
+               "dest": np.full((d, a, w), drop, np.int32), "src": np.zeros((d, a), np.int32)}
+        settings = Settings(d * a)
+        for s, rows in enumerate(self.admitted):
+            firsts, owner = _unique(rows)
+            for j, live in enumerate(firsts):
+                seq = live.sequence
+                out["tokens"][s, j, :len(seq)] = seq
+                out["lengths"][s, j] = len(seq)
+            for i, live in enumerate(rows):
+                pos = np.arange(live.length)
+                slots = np.asarray(live.blocks)[pos // block] * block + pos % block
+                # a shared prompt's full blocks are written by its first row alone
+                first = firsts[owner[i]] is live
+                write = pos >= (0 if first else live.length // block * block)
+                out["dest"][s, i, :live.length] = np.where(write, slots, drop)
+                out["src"][s, i] = owner[i]
+                settings.set(s * a + i, live, self.stop_set(live.request))
+        out["settings"] = settings
+        return out
+
+    def accept_prefill(self, tok: np.ndarray, lp: np.ndarray, stop: np.ndarray) -> None:
+        """The first token of each admitted row (shards x rows): it decodes on, or is done."""
+        for s, (shard, rows) in enumerate(zip(self.shards, self.admitted)):
+            for i, live in enumerate(rows):
+                live.tokens.append(int(tok[s, i]))
+                live.logprobs.append(float(lp[s, i]))
+                live.stopped = bool(stop[s, i])
+                if live.stopped or live.left == 0:
+                    self._finish(shard, live)
+                else:
+                    shard.rows.append(live)
+        self.admitted = []
+
+    # ------------------------------------------------------------------ decode
+
+    def chunk_batch(self, rows: int, width: int) -> dict[str, np.ndarray]:
+        """The decode chunk's host arrays (shards x rows ...): each live row's block table
+        (`width` wide), last token, length and tokens left, whether it is live, and its
+        sampling settings (offsets: its tokens drawn so far)."""
+        d = self.count
+        out = {"table": np.zeros((d, rows, width), np.int32),
+               "state": np.zeros((3, d, rows), np.int32),  # last token, length, tokens left
+               "active": np.zeros((d, rows), bool)}
+        settings = Settings(d * rows)
+        for s, shard in enumerate(self.shards):
+            for i, live in enumerate(shard.rows):
+                out["table"][s, i, :len(live.blocks)] = live.blocks
+                out["state"][:, s, i] = (live.tokens[-1], live.length, live.left)
+                settings.set(s * rows + i, live, self.stop_set(live.request))
+            out["active"][s, :len(shard.rows)] = True
+        out["settings"] = settings
+        return out
+
+    def accept_chunk(self, out: np.ndarray, lp: np.ndarray, emitted: np.ndarray,
+                     stopped: np.ndarray, routes: np.ndarray | None) -> None:
+        """A chunk's tokens (shards x rows x steps), how many each row emitted, whether it
+        stopped, and (routing replay) the experts of the tokens it fed."""
+        for s, shard in enumerate(self.shards):
+            for i, live in enumerate(list(shard.rows)):
+                e = int(emitted[s, i])
+                self.stats["live_row_steps"] += e
+                if routes is not None:  # the fed tokens: tokens[-1] and all but the last new one
+                    fill = np.full(self.routes_shape, -1, np.int16)
+                    live.routes += [fill] * (len(live.tokens) - 1 - len(live.routes))
+                    live.routes += list(routes[s, i, :e])
+                live.tokens += out[s, i, :e].tolist()
+                live.logprobs += lp[s, i, :e].tolist()
+                live.length += e
+                if stopped[s, i] or live.left == 0:
+                    live.stopped = bool(stopped[s, i])
+                    shard.rows.remove(live)
+                    self._finish(shard, live)
+
+    # --------------------------------------------------------------- internals
+
+    def _per_shard(self) -> int:
+        return math.ceil(len(self.lives) / self.count) if self.lives else 0
+
+    def _blocks(self, live: Live, min_width: int = 0) -> int:
+        """Blocks of a request at its limit (its prompt counted as at least `min_width`)."""
+        r = live.request
+        return request_blocks(max(len(r.prompt), min_width) + r.max_new_tokens,
+                              self.limits.block_size)
+
+    def _table(self, lives: Sequence[Live], min_width: int = 0) -> int:
+        return bucket(max((self._blocks(x, min_width) for x in lives), default=1))
+
+    def _pool_need(self, groups: Sequence[Sequence[Live]], min_width: int) -> int:
+        sizes = [[self._blocks(x, min_width) for x in group] for group in groups]
+        lim = self.limits
+        return pool_blocks(blocks_needed(sizes, lim.slots), lim.block_size, lim.kv_cache_tokens)
+
+    def _admit(self, shard: Shard) -> list[Live]:
+        """Requests of the shard's queue that get a slot and their prompt blocks now; the
+        full blocks of identical prompts admitted together are shared."""
+        lim = self.limits
+        admitted, shared = [], {}
+        while shard.queue and len(shard.rows) + len(admitted) < lim.slots:
+            live = shard.queue[0]
+            seq = tuple(live.sequence)
+            full = len(seq) // lim.block_size
+            reuse = shared.get(seq)
+            own = request_blocks(len(seq) + min(lim.decode_chunk, live.left), lim.block_size)
+            own -= full if reuse is not None else 0
+            blocks = shard.pool.take(own)
+            if blocks is None:
+                if not shard.rows and not admitted:
+                    raise ConfigError(
+                        f"the KV cache ({shard.pool.size} blocks of {lim.block_size} tokens "
+                        f"per shard) cannot hold one request of {len(seq)} tokens plus a "
+                        f"decode chunk; raise rollout.kv_cache_tokens (0 = sized for the "
+                        f"requests) or lower rollout.decode_chunk.")
+                break
+            shard.queue.popleft()
+            if reuse is not None:
+                shard.pool.share(reuse)
+                blocks = list(reuse) + blocks
+            else:
+                shared[seq] = blocks[:full]
+            live.blocks, live.length, live.admitted = blocks, len(seq), self.clock
+            self.clock += 1
+            admitted.append(live)
+        return admitted
+
+    def _reserve(self, shard: Shard) -> None:
+        """Blocks for the next chunk of every decoding row; where the pool runs out, the
+        most recently admitted rows give theirs back and wait in the queue."""
+        lim = self.limits
+        for live in sorted(shard.rows, key=lambda x: x.admitted):
+            need = (live.length + min(lim.decode_chunk, live.left) - 1) // lim.block_size + 1
+            while len(live.blocks) < need and live in shard.rows:
+                more = shard.pool.take(need - len(live.blocks))
+                if more is not None:
+                    live.blocks += more
+                    break
+                victim = max(shard.rows, key=lambda x: x.admitted)
+                if victim is live and len(shard.rows) == 1:
+                    raise ConfigError(
+                        f"the KV cache ({shard.pool.size} blocks of {lim.block_size} tokens "
+                        f"per shard) cannot hold one request of {live.length} tokens; raise "
+                        f"rollout.kv_cache_tokens.")
+                shard.rows.remove(victim)
+                shard.release(victim)
+                shard.queue.appendleft(victim)
+                self.stats["preempted"] += 1
+
+    def _finish(self, shard: Shard, live: Live) -> None:
+        shard.release(live)
+        out = Completion(np.asarray(live.tokens, np.int32), np.asarray(live.logprobs, np.float32),
+                         live.stopped, self._routes(live))
+        follow = self.resume(live.index, out) if self.resume else None
+        if follow is None:
+            self.done[live.index] = out
+        else:
+            check(follow)
+            shard.queue.append(Live(live.index, follow))
+            self.grown = True
+
+    def _routes(self, live: Live) -> np.ndarray | None:
+        """A finished request's recorded experts, one entry per token (-1: none)."""
+        if self.routes_shape is None:
+            return None
+        out = np.full((len(live.tokens), *self.routes_shape), -1, np.int16)
+        if live.routes:
+            out[:len(live.routes)] = np.stack(live.routes)[:len(live.tokens)]
+        return out
+
+
+def check(r: Request) -> None:
+    """One sentence for a request the engine cannot run."""
+    if not r.prompt:
+        raise ConfigError("a prompt is empty; every prompt needs at least one token.")
+    if r.max_new_tokens < 1:
+        raise ConfigError(f"a request asks for max_new_tokens={r.max_new_tokens}; ask for at least 1.")
+
+
+def _unique(rows: list[Live]) -> tuple[list[Live], list[int]]:
+    """(the first request of each distinct sequence, each request's index among them)."""
+    first: dict[tuple[int, ...], int] = {}
+    firsts, owner = [], []
+    for live in rows:
+        seq = tuple(live.sequence)
+        if seq not in first:
+            first[seq] = len(firsts)
+            firsts.append(live)
+        owner.append(first[seq])
+    return firsts, owner
