@@ -175,10 +175,12 @@ def test_grpo_prepare_adds_a_reward_models_score_before_the_group_advantages():
 
 @pytest.mark.slow
 def test_a_rounds_tokens_cross_to_a_device_once(tmp_path, monkeypatch):
-    """Split placement, one GRPO step: a round's completion tokens and sampler log-probs go
-    from this host to the trainer's devices once, and no device array of them comes back to
-    a host (scoring sends the devices only row ids; before, the tokens went to the rollout
-    devices, back to the host to be scored, and back again to reach the trainer)."""
+    """Split placement, one GRPO step with dynamic sampling (several rounds): each round's
+    completion tokens and sampler log-probs go from this host to the trainer's devices
+    once, and no device array of them comes back to a host (scoring sends the devices only
+    row ids; before, the tokens went to the rollout devices, back to the host to be scored,
+    and back again to reach the trainer); the packing plan's lengths come from the hosts'
+    copies and equal the assembled batch's."""
     import jax
 
     from gpurl.distributed import host
@@ -186,13 +188,14 @@ def test_a_rounds_tokens_cross_to_a_device_once(tmp_path, monkeypatch):
     from gpurl.train.loop import build
 
     cfg = make_config(
-        algo={"name": "grpo", "num_generations": 4, "beta": 0.0},
+        algo={"name": "grpo", "num_generations": 4, "beta": 0.0, "dynamic_sampling": True,
+              "max_refills": 2},
         model=dict(TINY_MODEL, tokenizer="bytes"), mesh={"placement": "split", "rollout_devices": 1},
         data={"name": "arithmetic", "num_train": 16, "num_eval": 4, "max_len": 16},
         train={"steps": 1, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0},
         rollout={"max_new_tokens": 8, "decode_chunk": 3}, logger={"progress": False},
         run={"dir": str(tmp_path)})
-    puts, fetched, rounds = [], [], []
+    puts, fetched, rounds, got = [], [], [], []
     to_device, local_rows, to_host = host.to_device, host.local_rows, host.to_host
     monkeypatch.setattr(host, "to_device", lambda x, sharding: puts.append(x) or to_device(x, sharding))
     monkeypatch.setattr(host, "local_rows", lambda a: fetched.append(a.shape) or local_rows(a))
@@ -201,10 +204,19 @@ def test_a_rounds_tokens_cross_to_a_device_once(tmp_path, monkeypatch):
         cfg, setup, stepper = build(cfg)
         run = stepper.rounds.run
         stepper.rounds.run = lambda *a, **k: rounds.append(run(*a, **k)) or rounds[-1]
+        collect = stepper.collector.collect
+        stepper.collector.collect = lambda *a: got.append(collect(*a)) or got[-1]
         state, _ = stepper.step(setup.init(), 0)
         jax.block_until_ready(state)
-    (r,) = rounds
-    for name in ("tokens", "logprobs", "prompt_tokens"):
-        assert sum(x is r.local[name] for x in puts) == 1, name
-    assert r.local["tokens"].shape == (16, 8) and (16, 8) not in fetched
-    assert "rollout" not in vars(r)  # never put on the rollout mesh
+        fetches = len(fetched)
+        batch = got[0].batch
+        want = np.concatenate([np.asarray(batch["prompt_lengths"])[:, None],
+                               np.asarray(batch["completion_lengths"])], axis=1)
+        np.testing.assert_array_equal(got[0].lengths(), want)
+    assert len(rounds) == 3  # a tiny random model's groups are all equal: two refills
+    for r in rounds:
+        for name in ("tokens", "logprobs", "prompt_tokens"):
+            assert sum(x is r.local[name] for x in puts) == 1, name
+        assert r.local["tokens"].shape == (16, 8)
+        assert "rollout" not in vars(r)  # never put on the rollout mesh
+    assert (16, 8) not in fetched[:fetches] and (4, 5) not in fetched[:fetches]

@@ -100,6 +100,9 @@ class Collected:
     # policy versions between the parameters that sampled the trained groups and those
     # the step trains: mean over the groups that carry loss (1 for a round sampled ahead)
     lag: float = 0.0
+    # () -> P x (1 + G): the batch's prompt and completion lengths on every host, from the
+    # hosts that generated them (a collective: every process calls it, or none)
+    lengths: Callable[[], np.ndarray] | None = None
 
 
 class Collector:
@@ -188,7 +191,19 @@ class Collector:
         if rounds[0].env is not None:  # multi-turn: the unfiltered round 0's trajectories
             metrics.update(self._env_stats(rounds[0].env, rounds[0].mask,
                                            rounds[0].lengths, jnp.asarray(rounds[0].positions)))
-        return Collected(batch, rewards_B, metrics, assembled_at, lag)
+        return Collected(batch, rewards_B, metrics, assembled_at, lag,
+                         functools.partial(self._lengths, rounds, select_B))
+
+    def _lengths(self, rounds: list[Round], select_B: np.ndarray) -> np.ndarray:
+        """P x (1 + G) prompt and completion lengths of the batch's rows `select_B` (device
+        rows of the rounds' concatenation), gathered from every process's host copies."""
+        mine = np.stack([np.stack([r.local["prompt_lengths"], r.local["lengths"]]) for r in rounds])
+        every = host.gather(mine.reshape(-1)).reshape(-1, *mine.shape)  # processes x R x 2 x B
+        rows = np.moveaxis(every, 0, 2).reshape(len(rounds), 2, -1)  # R x 2 x device rows
+        prompt_B, completion_B = (np.concatenate(rows[:, i]) for i in (0, 1))
+        g = self.group
+        return np.concatenate([prompt_B[select_B][::g, None],
+                               completion_B[select_B].reshape(-1, g)], axis=1)
 
     @staticmethod
     def _parts(r: Round, shaped: jax.Array) -> dict[str, jax.Array | np.ndarray]:

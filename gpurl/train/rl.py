@@ -309,12 +309,8 @@ class RLStepper(Stepper):
         first, self._prefetched = (self._prefetched or (None, None)), None
         got = self.collector.collect(params, step, first[1] if first[0] == step else None)
         collected, static = got.batch, ()
-        if self.train.packed:
-            # The rounds' statistics are computed on the rollout mesh; with several
-            # processes, a collective on another device set while they run could meet the
-            # peers' in another order, so the plan's gather of the lengths waits for them.
-            jax.block_until_ready([m for m in got.metrics.values() if isinstance(m, jax.Array)])
-            plan = self._pack(got.batch)
+        if self.train.packed:  # planned from the hosts' lengths: no device is waited for
+            plan = self._pack(got.batch, got.lengths())
             collected = {**got.batch, **packing.put(plan, self.setup.place.batch)}
             static = (plan.num_micro,) if plan.num_micro > 1 else ()  # 1: as planned
         teacher = self.setup.frozen_teacher()
@@ -337,11 +333,13 @@ class RLStepper(Stepper):
             self._timer.exclude(metrics["time/overlapped_rollout_s"])
         return state, metrics
 
-    def _pack(self, batch: dict) -> packing.Plan:
-        """The packed layout of a collected batch, planned on every process from the
-        batch's lengths (one gather of P x (1 + G) numbers; the same plan everywhere)."""
-        lengths_PxG1 = host.to_host(jnp.concatenate([batch["prompt_lengths"][:, None],
-                                                batch["completion_lengths"]], axis=1))
+    def _pack(self, batch: dict, lengths_PxG1: np.ndarray | None = None) -> packing.Plan:
+        """The packed layout of a collected batch from its prompt and completion lengths
+        (P x (1 + G), the same on every process; None: fetched from the batch's arrays),
+        the same plan everywhere."""
+        if lengths_PxG1 is None:
+            lengths_PxG1 = host.to_host(jnp.concatenate([batch["prompt_lengths"][:, None],
+                                                         batch["completion_lengths"]], axis=1))
         return packing.plan(lengths_PxG1[:, 0], lengths_PxG1[:, 1:], batch["prompt_tokens"].shape[1],
                             batch["completions"].shape[2], self.budget, self.shards,
                             packing.attention_cost(self.setup.spec.policy.cfg.d_model))

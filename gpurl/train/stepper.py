@@ -17,6 +17,7 @@ import numpy as np
 from gpurl.algorithms.objective import Objective
 from gpurl.algorithms.registry import Algorithm
 from gpurl.config import AlgoConfig, Config, ConfigError, MeshConfig
+from gpurl.distributed import host
 from gpurl.models.tokenizer import Tokenizer
 from gpurl.train.step import Placement, TrainState
 
@@ -47,8 +48,7 @@ class Setup:
 
     def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Each process passes only its own rows; JAX assembles the global sharded batch."""
-        return {k: jax.make_array_from_process_local_data(self.place.batch, v)
-                for k, v in batch.items()}
+        return {k: host.to_device(v, self.place.batch) for k, v in batch.items()}
 
 
 class Stepper:
