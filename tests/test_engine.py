@@ -15,6 +15,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 
@@ -223,3 +224,67 @@ def test_compiles_stay_bounded(gemma2: Tiny) -> None:
         assert all(1 <= len(c.tokens) <= r.max_new_tokens for c, r in zip(done, reqs))
     print(f"\n6 calls compiled {e.num_compiles()} programs")
     assert e.num_compiles() <= 16
+
+
+def _drain(stream: Any, params: Any, version: int, got: dict) -> None:
+    while stream.iterate(params, version):
+        got.update(stream.finished())
+    got.update(stream.finished())
+
+
+def test_a_stream_generates_what_generate_does_as_requests_join(gemma2: Tiny) -> None:
+    """Continuous generation (`Engine.stream`): a prompt group joins two iterations in,
+    while the first decodes, and the version label moves every two iterations: every
+    completion equals `generate`'s, and its tokens carry the versions in order, several
+    completions spanning two."""
+    e = engine(gemma2, "nucleus")
+    reqs = [e.request(p, s) for p, s in zip(PROMPTS, SEEDS)]
+    want = e.generate(gemma2.params, reqs)
+    stream, got, it = e.stream(), {}, 0
+    assert stream.add(reqs[:2]) == [0, 1]
+    while True:
+        if it == 2:
+            assert stream.add(reqs[2:]) == [2, 3]
+        busy = stream.iterate(gemma2.params, it // 2)
+        got.update(stream.finished())
+        it += 1
+        if not busy and it > 2:
+            break
+    assert sorted(got) == [0, 1, 2, 3]
+    for i, c in got.items():
+        assert _same(c, want[i]), i
+        assert len(c.versions) == len(c.tokens) and (np.diff(c.versions) >= 0).all()
+    assert sum(len(set(c.versions.tolist())) > 1 for c in got.values()) >= 2
+
+
+def test_new_weights_enter_between_chunks_and_stale_requests_start_over(gemma2: Tiny) -> None:
+    """Weights swapped in flight: a completion's tokens before the swap are the old
+    policy's (its versions 0, then 1); `drop_stale(1)` restarts every request holding a
+    version-0 token, and what they then generate under the new weights equals a fresh
+    `generate` with them."""
+    e = engine(gemma2, "nucleus")
+    reqs = [e.request(p, s) for p, s in zip(PROMPTS, SEEDS)]
+    new = jax.tree.map(lambda x: x * 1.1, gemma2.params)
+    old_done, new_done = e.generate(gemma2.params, reqs), e.generate(new, reqs)
+    swapped, got = e.stream(), {}
+    swapped.add(reqs)
+    for _ in range(2):
+        swapped.iterate(gemma2.params, 0)
+    _drain(swapped, new, 1, got)
+    spans = 0
+    for i, c in got.items():
+        k = int((c.versions == 0).sum())
+        assert c.versions.tolist() == [0] * k + [1] * (len(c.tokens) - k)
+        assert c.tokens[:k].tolist() == old_done[i].tokens[:k].tolist()
+        spans += 0 < k < len(c.tokens)
+    assert spans >= 2
+    restarted, got = e.stream(), {}
+    restarted.add(reqs)
+    for _ in range(2):
+        restarted.iterate(gemma2.params, 0)
+    assert restarted.drop_stale(1) >= 2
+    _drain(restarted, new, 1, got)
+    fresh = [i for i, c in got.items() if (c.versions == 1).all()]
+    assert len(fresh) >= 2
+    for i in fresh:
+        assert _same(got[i], new_done[i]), i

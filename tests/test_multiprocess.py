@@ -56,6 +56,12 @@ def _compile_env(processes: int) -> dict[str, str]:
     return {"JAX_ENABLE_COMPILATION_CACHE": "false"} if processes > 1 else {}
 
 
+def _figures(record: dict) -> dict:
+    """A metrics record without what depends on the clock or the allocator."""
+    return {k: v for k, v in record.items()
+            if not (k.startswith("time/") or k.endswith(("_per_s", "_s", "_gb", "_mfu", "/mfu")))}
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -121,6 +127,32 @@ def test_grpo_two_processes_match_one_and_score_each_row_once(tmp_path):
                        for f in (tmp_path / f"count-{name}").iterdir()}
         assert len(per_process) == n
         assert sum(per_process.values()) == expected, (name, per_process)
+
+
+def test_continuous_rollouts_over_two_processes_take_each_version_together(tmp_path):
+    """Continuous mode with 2 processes x 2 devices (each process: one rollout device, one
+    trainer device) and the deterministic swap schedule: every step's weights reach both
+    processes' engines by the step's batch (rollout/version = step), no trained token is
+    older than rollout.max_lag, every trained row is scored once where it lives, and a
+    second run reproduces the first's figures exactly."""
+    args = GRPO_ARGS + ["mesh.placement=split", "mesh.rollout_devices=2", "rollout.continuous=true",
+                        "rollout.swap_chunks=2", "rollout.max_lag=1", "rollout.decode_chunk=2"]
+    procs = []
+    for name in ("a", "b"):
+        (tmp_path / f"count-{name}").mkdir()
+        procs += _launch(tmp_path / name, 2, args,
+                         {"GPURL_TEST_COUNT_DIR": str(tmp_path / f"count-{name}")})
+    outputs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    trained = [r for r in a if "loss" in r]
+    assert [r["rollout/version"] for r in trained] == [0.0, 1.0, 2.0]
+    assert all(r["off_policy/lag_max"] <= 1 for r in trained)
+    for x, y in zip(a, b):  # all but times, rates and memory
+        assert _figures(x) == _figures(y)
+    counted = sum(int(x) for f in (tmp_path / "count-a").iterdir() for x in f.read_text().split())
+    assert counted == 3 * 4 * 4 + 2 * (8 + 8 * 2)
 
 
 def test_the_engine_agrees_once_per_scheduling_iteration(tmp_path):

@@ -73,7 +73,7 @@ class Tiny:
         key = (setting, id(mesh), stops)
         if key not in self.samplers:
             self.samplers[key] = StaticSampler(self.spec, SAMPLING[setting], mesh, RULES,
-                                         stop_ids=stops, pad_id=PAD)
+                                               stop_ids=stops, pad_id=PAD)
         return self.samplers[key]
 
 

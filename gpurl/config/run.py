@@ -124,6 +124,14 @@ class RolloutConfig:
     decode_chunk: int = 16  # decode steps per device call between two scheduling rounds
     # `async` is a Python keyword: the YAML key is `async`, the field `async_`.
     async_: bool = False  # overlap the next rollout with training (split placement)
+    # split placement: the engine never stops; new weights enter between decode chunks and
+    # each step trains the first groups that finish (docs/distributed.md, three modes)
+    continuous: bool = False
+    max_lag: int = 2  # continuous: tokens trained are at most this many policy versions old (older requests start over)
+    # continuous: 0 = new weights enter at the first decode chunk after they are ready; N = after
+    # exactly N scheduling iterations of each step (a deterministic, bit-reproducible schedule)
+    swap_chunks: int = 0
+    in_flight: int = 2  # continuous: batches of prompts kept queued or decoding
 
     def __post_init__(self) -> None:
         _tuplify(self)
@@ -140,6 +148,12 @@ class RolloutConfig:
         for name in ("slots", "block_size", "decode_chunk"):
             _positive(f"rollout.{name}", getattr(self, name))
         _positive("rollout.kv_cache_tokens", self.kv_cache_tokens, allow_zero=True)
+        _positive("rollout.max_lag", self.max_lag, allow_zero=True)
+        _positive("rollout.swap_chunks", self.swap_chunks, allow_zero=True)
+        _positive("rollout.in_flight", self.in_flight)
+        if self.continuous and self.async_:
+            raise ConfigError("rollout.continuous and rollout.async are both set; continuous "
+                              "mode overlaps rollout and training itself, so set one.")
 
 
 @dataclass(frozen=True)

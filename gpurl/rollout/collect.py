@@ -166,9 +166,15 @@ class Collector:
         kept_pairs, dropped_pairs = np.concatenate(kept), np.concatenate(dropped)
         num_kept = min(len(kept_pairs), self.batch_size)
         groups = np.concatenate([kept_pairs[:num_kept], dropped_pairs])[:self.batch_size]
-        select_B, keep_B = self._rows(rounds, groups, num_kept)
         ahead = first is not None  # round 0 was sampled by the previous step's parameters
         lag = float(np.mean(groups[:num_kept, 0] == 0)) if ahead and num_kept else 0.0
+        return self.batch(rounds, rewards, groups, num_kept, lag)
+
+    def batch(self, rounds: list[Round], rewards: list[jax.Array], groups: np.ndarray,
+              num_kept: int, lag: float) -> Collected:
+        """The trainer batch of the (round, group) pairs `groups` of `rounds` (the first
+        `num_kept` carry loss; `rewards`: each round's shaped rewards) and its metrics."""
+        select_B, keep_B = self._rows(rounds, groups, num_kept)
         assembled_at = time.perf_counter()
         parts = [{k: self.to_trainer(x) for k, x in self._parts(r, shaped).items()}
                  for r, shaped in zip(rounds, rewards)]

@@ -54,7 +54,7 @@ from gpurl.distributed import host
 from gpurl.models.spec import Params
 from gpurl.models.transformer import compute_dtype
 from gpurl.rollout.programs import Programs
-from gpurl.rollout.requests import Completion, Request
+from gpurl.rollout.requests import MIN_DECODE_ROWS, Completion, Request, bucket
 from gpurl.rollout.scheduler import Limits, Needs, Scheduler
 
 
@@ -75,34 +75,47 @@ class Engine(Programs):
         completion of each index is returned. `prefill_width`: pad prefills to at least
         this many tokens (RL: one prefill shape per run). Every process must call this
         together."""
-        cfg = self.cfg
-        sched = Scheduler(requests, Limits(cfg.slots, cfg.block_size, cfg.decode_chunk,
-                                           cfg.kv_cache_tokens),
-                          self.local_shards, self.stop_set, resume, prefill_width,
-                          self.routes_shape)
+        sched = self._scheduler(requests, resume, prefill_width)
         params = self.place(params)
         floor, width, blocks = (int(x) for x in host.gather(sched.first_needs()).max(axis=0))
         sched.start(self._ensure_pool(blocks))
-        self.stats = {"prefills": 0, "chunks": 0, "steps": 0, "row_steps": 0,
-                      "iterations": 0, "prefill_s": 0.0, "decode_s": 0.0}
+        self.stats = _counts()
         started, planned = time.perf_counter(), self.planned_calls
-        while True:
-            needs = Needs.agree(host.gather(sched.plan()))
-            self.stats["iterations"] += 1
-            if needs.blocks:
-                sched.grow(self._ensure_pool(needs.blocks))
-            width = max(width, needs.table)
-            if needs.prefill:
-                self._prefill(params, sched, needs)
-            if not needs.decoding:
-                if not needs.queued:
-                    break
-                continue
-            self._decode(params, sched, max(needs.decoding, floor), floor, width, needs.queued)
+        busy = True
+        while busy:
+            busy, width = self._iterate(params, sched, floor, width)
         self.stats.update(sched.stats, planned_calls=self.planned_calls - planned)
         self.stats["host_s"] = (time.perf_counter() - started - self.stats["prefill_s"]
                                 - self.stats["decode_s"])
         return sched.completions()
+
+    def stream(self, prefill_width: int = 0) -> "Stream":
+        """A generation that requests join while it runs (`Stream`). Every process must
+        call this, and then `Stream.iterate`, together."""
+        return Stream(self, prefill_width)
+
+    def _scheduler(self, requests: Sequence[Request], resume: Callable | None,
+                   prefill_width: int) -> Scheduler:
+        cfg = self.cfg
+        return Scheduler(requests, Limits(cfg.slots, cfg.block_size, cfg.decode_chunk,
+                                          cfg.kv_cache_tokens),
+                         self.local_shards, self.stop_set, resume, prefill_width, self.routes_shape)
+
+    def _iterate(self, params: Params, sched: Scheduler, floor: int, width: int) -> tuple[bool, int]:
+        """One scheduling iteration: the agreed needs of every process (one host gather),
+        then the prefill of admitted requests and a decode chunk of the live rows. Returns
+        (whether any process still has requests, the block table's width)."""
+        needs = Needs.agree(host.gather(sched.plan()))
+        self.stats["iterations"] += 1
+        if needs.blocks:
+            sched.grow(self._ensure_pool(needs.blocks))
+        width = max(width, needs.table)
+        if needs.prefill:
+            self._prefill(params, sched, needs)
+        if not needs.decoding:
+            return bool(needs.queued), width
+        self._decode(params, sched, max(needs.decoding, floor), floor, width, needs.queued)
+        return True, width
 
     def _ensure_pool(self, blocks: int) -> int:
         """Allocates the KV pool with `blocks` blocks per shard, or grows it in place (live
@@ -166,3 +179,59 @@ class Engine(Programs):
         self.stats["chunks"] += 1
         self.stats["steps"] += steps
         self.stats["row_steps"] += steps * n * self.shards
+
+
+class Stream:
+    """A generation that requests join at any time (continuous RL): `add` queues a
+    prompt's group, `iterate(params, version)` runs one scheduling iteration with the
+    parameters of policy `version`, and `finished` hands over the completions finished
+    since its last call, in the order they finished. A new version enters between two
+    decode chunks: the requests in flight keep the KV cache the old weights wrote and go on
+    with the new ones, and every token records the version that sampled it
+    (`Completion.versions`). `drop_stale` starts over the requests holding tokens older
+    than a version. Every process calls `iterate` together (one host gather each). The
+    stream has a KV pool of its own: the engine's `generate` (an evaluation) runs beside it."""
+
+    def __init__(self, engine: Engine, prefill_width: int = 0):
+        self.engine = engine
+        self.sched = engine._scheduler([], None, prefill_width)
+        self.floor = bucket(min(engine.cfg.slots, MIN_DECODE_ROWS))
+        _, self.width, blocks = (int(x) for x in host.gather(self.sched.first_needs()).max(axis=0))
+        saved, engine._pool = engine._pool, None
+        self.sched.start(engine._ensure_pool(blocks))
+        self.pool, engine._pool = engine._pool, saved
+        self.stats = _counts()
+        self._handed = 0
+
+    def add(self, requests: Sequence[Request]) -> list[int]:
+        """Queues one prompt's requests (they stay on one data shard); their indices."""
+        return self.sched.add(requests)
+
+    def iterate(self, params: Params, version: int) -> bool:
+        """One scheduling iteration with `params`, the policy of `version`; False when no
+        process has a request queued or decoding."""
+        engine, sched = self.engine, self.sched
+        saved, engine._pool, engine.stats = engine._pool, self.pool, self.stats
+        sched.version = version
+        try:
+            busy, self.width = engine._iterate(engine.place(params), sched, self.floor, self.width)
+        finally:
+            self.pool, engine._pool = engine._pool, saved
+        self.stats.update(sched.stats)
+        return busy
+
+    def finished(self) -> list[tuple[int, Completion]]:
+        """(index, completion) of the requests finished since the last call, in order."""
+        done = self.sched.finished[self._handed:]
+        self._handed = len(self.sched.finished)
+        return [(i, self.sched.done[i]) for i in done]
+
+    def drop_stale(self, oldest: int) -> int:
+        """Requests holding a token of a version below `oldest` start over (`Scheduler.
+        drop_stale`); how many did."""
+        return self.sched.drop_stale(oldest)
+
+
+def _counts() -> dict[str, float]:
+    return {"prefills": 0, "chunks": 0, "steps": 0, "row_steps": 0, "iterations": 0,
+            "prefill_s": 0.0, "decode_s": 0.0}

@@ -43,3 +43,6 @@ class Completion:
     # (N x L sparse layers x k, int16; -1 where none was recorded: the last token, and
     # tokens a recompute or resume prefill fed); None unless model.moe.replay_routing
     routes: np.ndarray | None = None
+    # int32: the policy version that sampled each token (`Engine.stream`: the version the
+    # caller passes with the parameters); 0 for every token of a plain `generate`
+    versions: np.ndarray | None = None

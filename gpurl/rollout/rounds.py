@@ -172,17 +172,44 @@ class Rounds:
                                                       prefill_width=self.prompt_width))
             scored = (local["tokens"], local["lengths"])
         local["prompt_tokens"], local["prompt_lengths"] = self._prompts(tokens)
-        t1 = time.perf_counter()
         global_rows = [prompts.rows[i] if i >= 0 else prompts.rows[0] for i in indices]
+        return self._scored(local, scored, local_ids, global_rows, group, per,
+                            time.perf_counter() - t0, dict(engine.stats), env, mask)
+
+    def score(self, prompts: Prompts, indices: Sequence[int], done: list[Completion],
+              group: int, rollout_s: float, counts: dict[str, float]) -> Round:
+        """A round of completions sampled elsewhere (`continuous.Continuous`): this
+        process's groups of prompts `indices` (every process the same number), `done`
+        their `group` completions each, in order."""
+        count, rank = runtime.process_count(), runtime.process_index()
+        per = len(indices) * group
+        local = self._completions(done)
+        tokens = [prompts.tokens[i] for i in np.repeat(indices, group)]
+        local["prompt_tokens"], local["prompt_lengths"] = self._prompts(tokens)
+        global_rows: list = [None] * (count * len(indices))  # this process's groups alone
+        global_rows[rank * len(indices):(rank + 1) * len(indices)] = [prompts.rows[i] for i in indices]
+        local_ids = (rank * per + np.arange(per)).astype(np.int32)
+        return self._scored(local, (local["tokens"], local["lengths"]), local_ids, global_rows,
+                            group, per, rollout_s, counts)
+
+    def _scored(self, local: dict[str, np.ndarray], scored: tuple[np.ndarray, np.ndarray],
+                local_ids: np.ndarray, global_rows: list, group: int, per: int,
+                rollout_s: float, counts: dict[str, float], env: jax.Array | None = None,
+                mask: jax.Array | None = None) -> Round:
+        """The Round of this process's rows `local` (`per` real rows first, then padding)
+        once they are scored where they live."""
+        put = functools.partial(host.to_device, sharding=self.engine.rows)
+        t1 = time.perf_counter()
         row_ids = put(local_ids)
         scores = self.scorer(row_ids, RowContext(global_rows, group, local_ids, *scored))
         functions = scores[:, 0]
         if env is not None:
             scores = self._with_env(scores, env, row_ids)
         # Device row of global row r: processes hold `padded` rows each, real ones first.
+        padded, count = len(local_ids), runtime.process_count()
         positions = (np.arange(count)[:, None] * padded + np.arange(per)[None]).reshape(-1)
         return Round(local, put(local["lengths"]), scores, functions, row_ids, positions,
-                     t1 - t0, time.perf_counter() - t1, dict(engine.stats), engine.rows, env, mask)
+                     rollout_s, time.perf_counter() - t1, counts, self.engine.rows, env, mask)
 
     def _turn_tokens(self) -> int:
         """Tokens a first request may draw: a turn's limit, within the trajectory's."""

@@ -56,6 +56,7 @@ class Live:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     routes: list[np.ndarray] = field(default_factory=list)  # of tokens[0], tokens[1], ...
+    versions: list[int] = field(default_factory=list)  # the policy version of each token
     blocks: list[int] = field(default_factory=list)
     length: int = 0  # tokens in the pool (the next token's position)
     admitted: int = -1  # admission order (the newest gives its blocks back first)
@@ -150,6 +151,8 @@ class Scheduler:
         self.shards: list[Shard] = []
         self.admitted: list[list[Live]] = []
         self.done: dict[int, Completion] = {}
+        self.finished: list[int] = []  # indices in the order they finished
+        self.version = 0  # the policy version of the tokens sampled next
         self.clock = 0  # admissions so far
         self.grown = False  # a resumed request was queued since the last `plan`
         self.stats = {"preempted": 0, "live_row_steps": 0}
@@ -178,6 +181,43 @@ class Scheduler:
     def grow(self, blocks: int) -> None:
         for shard in self.shards:
             shard.pool.grow(blocks)
+
+    def add(self, requests: Sequence[Request]) -> list[int]:
+        """Queues `requests` (a prompt's group) on the shard with the fewest requests queued
+        or decoding (the lowest such shard); returns their indices. The pool grows for them
+        at the next `plan` if it must."""
+        for r in requests:
+            check(r)
+        shard = min(self.shards, key=lambda s: len(s.queue) + len(s.rows))
+        first = len(self.lives)
+        for i, r in enumerate(requests):
+            self.lives.append(Live(first + i, r))
+            shard.queue.append(self.lives[-1])
+        self.grown = True
+        return list(range(first, len(self.lives)))
+
+    def drop_stale(self, oldest: int) -> int:
+        """Requests holding a token sampled by a policy version below `oldest` start over
+        (their tokens dropped, their blocks released, queued first; their sampling keys
+        start again at their first token); returns how many."""
+        dropped = 0
+        for shard in self.shards:
+            stale = [x for x in [*shard.rows, *shard.queue] if x.versions and x.versions[0] < oldest]
+            for live in stale:
+                if live in shard.rows:
+                    shard.rows.remove(live)
+                    shard.release(live)
+                else:
+                    shard.queue.remove(live)
+                fresh = Live(live.index, live.request)
+                self.lives[live.index] = fresh
+                shard.queue.appendleft(fresh)
+                dropped += 1
+        return dropped
+
+    def busy(self) -> bool:
+        """Whether any request is queued or decoding."""
+        return any(s.queue or s.rows for s in self.shards)
 
     def completions(self) -> list[Completion]:
         return [self.done[i] for i in range(len(self.lives))]
@@ -246,6 +286,7 @@ class Scheduler:
             for i, live in enumerate(rows):
                 live.tokens.append(int(tok[s, i]))
                 live.logprobs.append(float(lp[s, i]))
+                live.versions.append(self.version)
                 live.stopped = bool(stop[s, i])
                 if live.stopped or live.left == 0:
                     self._finish(shard, live)
@@ -287,6 +328,7 @@ class Scheduler:
                     live.routes += list(routes[s, i, :e])
                 live.tokens += out[s, i, :e].tolist()
                 live.logprobs += lp[s, i, :e].tolist()
+                live.versions += [self.version] * e
                 live.length += e
                 if stopped[s, i] or live.left == 0:
                     live.stopped = bool(stopped[s, i])
@@ -369,10 +411,11 @@ class Scheduler:
     def _finish(self, shard: Shard, live: Live) -> None:
         shard.release(live)
         out = Completion(np.asarray(live.tokens, np.int32), np.asarray(live.logprobs, np.float32),
-                         live.stopped, self._routes(live))
+                         live.stopped, self._routes(live), np.asarray(live.versions, np.int32))
         follow = self.resume(live.index, out) if self.resume else None
         if follow is None:
             self.done[live.index] = out
+            self.finished.append(live.index)
         else:
             check(follow)
             shard.queue.append(Live(live.index, follow))

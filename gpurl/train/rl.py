@@ -35,6 +35,7 @@ from gpurl.models import lora
 from gpurl.models.spec import Params
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.collect import Collector, Shaping
+from gpurl.rollout.continuous import Continuous
 from gpurl.rollout.rounds import Round, Rounds, rollout_engine
 from gpurl.rollout.prompts import Prompts, encode_prompts
 from gpurl.rollout.requests import prompt_width
@@ -70,7 +71,7 @@ class RLStepper(Stepper):
                  train: TrainConfig, rollout: RolloutConfig, mesh: MeshConfig,
                  rewards: RewardsConfig, lora_base: bool, env: EnvConfig | None = None,
                  memory: float = float("inf")):
-        self.setup, self.algo, self.train = setup, algo, train
+        self.setup, self.algo, self.train, self.rollout = setup, algo, train, rollout
         spec, place = setup.spec, setup.place
         self.prompts, self.evals, self.skipped = _prompts(data, setup)
         self.has_eval = self.evals is not None
@@ -112,7 +113,11 @@ class RLStepper(Stepper):
         # with the parameters step s starts from, while step s trains (one step off-policy):
         # the prepare step computes pi_old and the loss corrects for the lag
         # (`gpurl.algorithms.policy_gradient.behaviour_weights`).
-        self.overlap = rollout.async_ and not self.sync.colocated
+        self.continuous = (Continuous(self.rounds, self.collector, self.prompts, rollout,
+                                      algo.num_generations, train.batch_size, train.seed)
+                           if rollout.continuous else None)
+        self._check_continuous(rollout, algo, env)
+        self.overlap = (rollout.async_ or rollout.continuous) and not self.sync.colocated
         self._async_ignored = rollout.async_ and self.sync.colocated
         self._prefetched: tuple[int, Round] | None = None
         self.carry = {k: jnp.float32(v) for k, v in setup.algorithm.carry(algo).items()}
@@ -258,7 +263,15 @@ class RLStepper(Stepper):
         names = " + ".join(summed) or "none"
         names += f" (reported: {functions})" if reported else ""
         ahead = ""
-        if self.overlap:
+        if self.continuous is not None:
+            cap = behaviour_cap(self.algo, True)
+            swap = (f"after {self.rollout.swap_chunks} decode iterations of each step"
+                    if self.rollout.swap_chunks else "as soon as they are computed")
+            ahead = (f", continuous rollouts (new weights enter {swap}; tokens at most "
+                     f"{self.rollout.max_lag} versions old, corrected by truncated importance "
+                     f"weights C={cap:g})" if cap is not None else ", continuous rollouts, "
+                     f"uncorrected (algo.async_correction=false)")
+        elif self.overlap:
             cap = behaviour_cap(self.algo, True)
             ahead = (f", rollouts one step ahead corrected by truncated importance weights "
                      f"(C={cap:g})" if cap is not None else ", rollouts one step ahead, "
@@ -304,10 +317,27 @@ class RLStepper(Stepper):
             self.algo, ctx, RLInputs(params, ref_params, rm_params, batch, rewards_B, carry,
                                      teacher))
 
+    def _check_continuous(self, rollout: RolloutConfig, algo: Any, env: Any) -> None:
+        if not rollout.continuous:
+            return
+        if self.sync.colocated:
+            raise ConfigError("rollout.continuous needs mesh.placement=split (rollouts and "
+                              "training on their own devices); colocated runs are synchronous "
+                              "or one step ahead (rollout.async).")
+        if algo.dynamic_sampling or (env is not None and env.on):
+            raise ConfigError("rollout.continuous does not run with algo.dynamic_sampling or a "
+                              "multi-turn environment yet; turn rollout.continuous off.")
+
     def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
-        params, t_sync = self._sync(state)
-        first, self._prefetched = (self._prefetched or (None, None)), None
-        got = self.collector.collect(params, step, first[1] if first[0] == step else None)
+        if self.continuous is not None:  # the engine takes the new weights when it can
+            policy = self.setup.spec.policy_params(state.params)
+            got = self.continuous.collect(step, functools.partial(_computed, policy),
+                                          functools.partial(self._swap, state))
+            t_sync = got.metrics.pop("time/sync_s")
+        else:
+            params, t_sync = self._sync(state)
+            first, self._prefetched = (self._prefetched or (None, None)), None
+            got = self.collector.collect(params, step, first[1] if first[0] == step else None)
         collected, static = got.batch, ()
         if self.train.packed:  # planned from the hosts' lengths: no device is waited for
             plan = self._pack(got.batch, got.lengths())
@@ -328,7 +358,7 @@ class RLStepper(Stepper):
         if "reward/model" in prepared:  # scored on the trainer mesh, after the functions
             for key in ("reward/mean", "reward/batch_mean"):
                 metrics[key] = Sum(metrics[key], prepared["reward/model"])
-        if self.overlap:  # the next step's round 0, sampled while this step trains
+        if self.overlap and self.continuous is None:  # the next step's round 0, sampled now
             metrics["time/overlapped_rollout_s"] = self._prefetch(params, step)
             self._timer.exclude(metrics["time/overlapped_rollout_s"])
         return state, metrics
@@ -354,6 +384,13 @@ class RLStepper(Stepper):
         params = jax.block_until_ready(self.sync(self.setup.spec.policy_params(state.params)))
         return params, time.perf_counter() - t0
 
+    def _swap(self, state: TrainState) -> Any:
+        """Continuous mode: `state`'s policy in the rollout layout, once it is computed."""
+        jax.block_until_ready(self.setup.spec.policy_params(state.params))
+        if self._timer is not None:
+            self._timer.observe()
+        return jax.block_until_ready(self.sync(self.setup.spec.policy_params(state.params)))
+
     def _prefetch(self, params: Any, step: int) -> float:
         if step + 1 >= self.train.steps:
             return 0.0
@@ -366,8 +403,9 @@ class RLStepper(Stepper):
         the batches of prompts the finished steps drew (a round sampled ahead for the next
         step is not kept, so a resumed run draws it again)."""
         ahead = 1 if self._prefetched is not None else 0
-        return {**{k: float(v) for k, v in self.carry.items()},
-                "data_position": float(self.collector.position - ahead)}
+        position = (self.continuous.data_position() if self.continuous is not None
+                    else self.collector.position - ahead)
+        return {**{k: float(v) for k, v in self.carry.items()}, "data_position": float(position)}
 
     def restore_meta(self, meta: dict) -> None:
         self.carry = {k: jnp.float32(meta.get(k, v)) for k, v in self.carry.items()}
@@ -381,6 +419,11 @@ class RLStepper(Stepper):
         params = self.sync(self.setup.spec.policy_params(params))
         return self.rounds.evaluate(params, self.evals, self.train.eval_pass_k,
                                     self.train.eval_batch_size, self.train.seed)
+
+
+def _computed(tree: Any) -> bool:
+    """Whether every array of `tree` is computed (nothing waits for it)."""
+    return all(x.is_ready() for x in jax.tree.leaves(tree))
 
 
 def _prompts(data: DataConfig, setup: Setup) -> tuple[Prompts, Prompts | None, int]:

@@ -1,0 +1,180 @@
+"""Continuous rollouts (`rollout.continuous`, split placement): the rollout engine never
+stops for training.
+
+The engine runs one generation for the whole run (`Engine.stream`). Prompt groups join it
+from the data's index stream so that `rollout.in_flight` batches are always queued or
+decoding; each step trains the first groups whose G completions all finished
+(ready-first), whatever step their prompts were drawn in. While the trainer computes step
+s, the engine goes on with the weights it has; the new ones (version s + 1) enter between
+two decode chunks, and the requests in flight keep their tokens and KV cache and go on
+with them (PipelineRL's in-flight update), so a completion can span several policy
+versions; every token records the one that sampled it.
+
+When the weights enter: `rollout.swap_chunks=0`, at the first scheduling iteration at
+which they are computed (every process agrees on that iteration, so all rollout devices
+take a version together); N > 0, after exactly N iterations of each step's collection (or
+when its batch is ready, if sooner): a schedule that depends on tokens alone, so a run is
+bit-reproducible.
+
+Bounded staleness (`rollout.max_lag` = L): at step s no trained token is older than
+version s - L. A request in flight holding an older token starts over (its tokens
+dropped, its sampling keys from its first token again, under the current weights), and a
+finished group holding one is sampled again; the engine takes new weights at once when
+its own are older than the bound. The loss corrects for the lag with the trainer's
+policy at the step start as the proximal policy and truncated importance weights
+min(pi_old / pi_behaviour, C) per token (`gpurl.algorithms.policy_gradient.
+behaviour_weights`), pi_behaviour being each token's log-prob under the version that
+sampled it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from gpurl.config import RolloutConfig
+from gpurl.distributed import host, runtime
+from gpurl.rollout.collect import Collected, Collector
+from gpurl.rollout.prompts import Prompts
+from gpurl.rollout.requests import Completion
+from gpurl.rollout.rounds import Rounds, row_seeds
+
+
+@dataclass
+class Group:
+    """One prompt's G requests in the stream."""
+
+    prompt: int  # index into the prompts
+    seeds: np.ndarray  # G sampling seeds
+    requests: list[int]  # their indices in the stream
+    done: dict[int, Completion] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        return len(self.done) == len(self.requests)
+
+    def oldest(self) -> int:
+        return min(int(c.versions.min(initial=1 << 30)) for c in self.done.values())
+
+
+class Continuous:
+    """The collection of continuous mode: `collect(step, ready, swap)` returns step's
+    batch. `ready()` says whether the weights of the trainer's latest state are computed
+    (this process); `swap()` syncs them to the rollout devices (a collective) and returns
+    them in the rollout layout."""
+
+    def __init__(self, rounds: Rounds, collector: Collector, prompts: Prompts,
+                 cfg: RolloutConfig, group: int, batch_size: int, seed: int):
+        self.rounds, self.collector, self.prompts, self.cfg = rounds, collector, prompts, cfg
+        self.group, self.seed = group, seed
+        self.per = batch_size // runtime.process_count()  # groups per process and step
+        self.stream = None  # made at the first step (a collective)
+        self.params: Any = None  # the weights in the engine
+        self.version = -1  # their policy version (-1: none yet)
+        self.groups: dict[int, Group] = {}  # not yet trained, by id
+        self.owner: dict[int, int] = {}  # stream request -> group id
+        self.ready: list[int] = []  # group ids ready, in the order they became ready
+        self.drawn_at: dict[int, int] = {}  # group id -> the data batch it was drawn in
+        self._ids = 0
+        self._counts: dict[str, float] = {}
+
+    def collect(self, step: int, ready: Callable[[], bool], swap: Callable[[], Any]) -> Collected:
+        """The batch of step `step` (the trainer's weights are version `step`)."""
+        t0 = time.perf_counter()
+        if self.stream is None:
+            self.stream = self.rounds.engine.stream(self.rounds.prompt_width)
+        oldest = step - self.cfg.max_lag
+        dropped = self._drop_ready(oldest)
+        iterations, sync_s = 0, 0.0
+        while True:
+            self._top_up()
+            dropped += self.stream.drop_stale(oldest)
+            due = self.version < step and (self.params is None or self.version < oldest or (
+                self.cfg.swap_chunks and iterations >= self.cfg.swap_chunks))
+            enough, computed = host.gather([len(self.ready) >= self.per, ready()]).min(axis=0)
+            if self.version < step and (due or (not self.cfg.swap_chunks and computed)):
+                t1 = time.perf_counter()
+                self.params, self.version = swap(), step
+                sync_s += time.perf_counter() - t1
+                continue
+            if enough:
+                break
+            self.stream.iterate(self.params, self.version)
+            iterations += 1
+            for index, completion in self.stream.finished():
+                gid = self.owner.pop(index)
+                self.groups[gid].done[index] = completion
+                if self.groups[gid].ready:
+                    self.ready.append(gid)
+            dropped += self._drop_ready(oldest)
+        if self.cfg.swap_chunks and self.version < step:  # deterministic: by the batch's end
+            t1 = time.perf_counter()
+            self.params, self.version = swap(), step
+            sync_s += time.perf_counter() - t1
+        return self._batch(step, time.perf_counter() - t0 - sync_s, sync_s, dropped)
+
+    def data_position(self) -> int:
+        """The first batch of prompts with a group not trained yet (a resumed run draws
+        again from there)."""
+        return min(self.drawn_at.values(), default=self.collector.position)
+
+    # --------------------------------------------------------------- internals
+
+    def _top_up(self) -> None:
+        """Draws batches of prompts (this process's slice) until `rollout.in_flight`
+        batches of groups are queued, decoding or ready."""
+        rank, g = runtime.process_index(), self.group
+        while len(self.groups) < self.cfg.in_flight * self.per:
+            position = self.collector.position
+            idx = self.collector.indices(position)
+            self.collector.position += 1
+            seeds = row_seeds(self.seed, position, 0, len(idx) * g)
+            mine = slice(rank * self.per, (rank + 1) * self.per)
+            for j, prompt in enumerate(idx[mine]):
+                at = (rank * self.per + j) * g
+                self._add(int(prompt), seeds[at:at + g], position)
+
+    def _add(self, prompt: int, seeds: np.ndarray, position: int) -> None:
+        engine = self.rounds.engine
+        requests = [engine.request(self.prompts.tokens[prompt], int(s)) for s in seeds]
+        gid, self._ids = self._ids, self._ids + 1
+        indices = self.stream.add(requests)
+        self.groups[gid] = Group(prompt, seeds, indices)
+        self.drawn_at[gid] = position
+        for i in indices:
+            self.owner[i] = gid
+
+    def _drop_ready(self, oldest: int) -> int:
+        """Ready groups holding a token older than `oldest` are sampled again (the same
+        prompt and seeds, under the current weights)."""
+        stale = [gid for gid in self.ready if self.groups[gid].oldest() < oldest]
+        for gid in stale:
+            self.ready.remove(gid)
+            g = self.groups.pop(gid)
+            self._add(g.prompt, g.seeds, self.drawn_at.pop(gid))
+        return len(stale) * self.group
+
+    def _batch(self, step: int, rollout_s: float, sync_s: float, dropped: int) -> Collected:
+        taken, self.ready = self.ready[:self.per], self.ready[self.per:]
+        groups = [self.groups.pop(gid) for gid in taken]
+        for gid in taken:
+            self.drawn_at.pop(gid)
+        done = [g.done[i] for g in groups for i in g.requests]
+        counts = {k: v - self._counts.get(k, 0.0) for k, v in self.stream.stats.items()}
+        self._counts = dict(self.stream.stats)
+        r = self.rounds.score(self.prompts, [g.prompt for g in groups], done, self.group,
+                              rollout_s, counts)
+        lag = np.concatenate([step - c.versions for c in done])
+        total, most, tokens, drops = host.gather(
+            [int(lag.sum()), int(lag.max(initial=0)), lag.size, dropped]).T
+        p = self.per * runtime.process_count()
+        got = self.collector.batch([r], [self.collector.round_rewards(r)],
+                                   np.stack([np.zeros(p, int), np.arange(p)], 1), p,
+                                   float(total.sum() / max(tokens.sum(), 1)))
+        got.metrics.update({"off_policy/lag_max": float(most.max()),
+                            "rollout/restarted": float(drops.sum()), "time/sync_s": sync_s,
+                            "rollout/version": float(self.version)})
+        return got
