@@ -152,3 +152,33 @@ def test_grpo_sigterm_and_kill_mid_save_resume_exactly(tmp_path):
     a = [{k: r[k] for k in keys} for r in _metrics(straight) if "loss" in r]
     b = [{k: r[k] for k in keys} for r in _metrics(crashed) if "loss" in r]
     assert len(a) == GRPO_STEPS and a == b
+
+
+# Continuous rollouts with the deterministic swap schedule (`rollout.swap_chunks`)
+CONTINUOUS = GRPO + ["mesh.placement=split", "mesh.rollout_devices=1", "rollout.continuous=true",
+                     "rollout.swap_chunks=2", "rollout.max_lag=1", "rollout.in_flight=3",
+                     "rollout.decode_chunk=2"]
+
+
+def test_continuous_kill_and_resume_equal_an_uninterrupted_run(tmp_path):
+    """Continuous mode killed (SIGKILL) after its first checkpoint: the checkpoint holds the
+    requests in flight (tokens, versions, sampling offsets), the groups and their order,
+    so the rerun samples, trains and logs exactly what the uninterrupted run does."""
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    uninterrupted = _start(CONTINUOUS, straight)
+    proc = _start(CONTINUOUS, crashed)
+    _wait(proc, lambda: (crashed / "checkpoints" / "2").is_dir(), "checkpoint 2")
+    proc.kill()
+    proc.communicate(timeout=60)
+    saved = max(_finished(crashed))
+    assert saved < GRPO_STEPS
+    _rerun(CONTINUOUS, crashed, resumed_at=saved)
+    _run_through(CONTINUOUS, straight, uninterrupted)
+
+    _assert_same_params(straight, crashed)
+    keys = ("reward/mean", "loss", "grad_norm", "off_policy/lag", "off_policy/weight_mean",
+            "rollout/restarted")
+    a = [{k: r[k] for k in keys} for r in _metrics(straight) if "loss" in r]
+    b = [{k: r[k] for k in keys} for r in _metrics(crashed) if "loss" in r]
+    assert len(a) == GRPO_STEPS and a == b
+    assert any(r["off_policy/lag"] > 0 for r in a)

@@ -1,7 +1,8 @@
 """Every host-side collective and every host <-> device transfer of rows, in one place.
 
 - `gather` / `gather_ints` / `any_process`: small integers agreed between processes, host
-  to host through the job's coordinator (never a device program; see `gather`).
+  to host through the job's coordinator (never a device program; see `gather`);
+  `gather_text`: every process's text (a checkpoint's per-process state).
 - `to_device`: this process's rows of a row-sharded array, from the host.
 - `local_rows` / `local`: the rows of a row-sharded array this process addresses, to the
   host (no collective).
@@ -27,6 +28,7 @@ from jax.sharding import Sharding
 
 # How long an agreement waits for the slowest process (one compiling a large program).
 AGREE_TIMEOUT_MS = 3_600_000
+TEXT_PART = 1 << 20  # characters per key-value entry of `gather_text`
 _agreements = itertools.count()
 
 # calls per kind: "gather" (host agreements), "to_device", "to_host" (collective fetches),
@@ -58,6 +60,26 @@ def gather(values: Sequence[int]) -> np.ndarray:
         client.key_value_delete(f"gpurl/agree/{n - 1}/{me}")
     return np.asarray([[int(x) for x in row.split(",")] if row else [] for row in rows],
                       np.int64).reshape(len(rows), len(values))
+
+
+def gather_text(text: str) -> list[str]:
+    """Every process's `text`, in process order (a collective, as `gather`), sent in parts
+    of at most `TEXT_PART` characters."""
+    counts["gather"] += 1
+    if jax.process_count() == 1:
+        return [text]
+    client = distributed.global_state.client
+    n, me = next(_agreements), jax.process_index()
+    parts = [text[i:i + TEXT_PART] for i in range(0, len(text), TEXT_PART)] or [""]
+    for i, part in enumerate(parts):
+        client.key_value_set(f"gpurl/text/{n}/{me}/{i + 1}", part)
+    client.key_value_set(f"gpurl/text/{n}/{me}/0", str(len(parts)))
+    out = []
+    for p in range(jax.process_count()):
+        count = int(client.blocking_key_value_get(f"gpurl/text/{n}/{p}/0", AGREE_TIMEOUT_MS))
+        out.append("".join(client.blocking_key_value_get(f"gpurl/text/{n}/{p}/{i + 1}",
+                                                         AGREE_TIMEOUT_MS) for i in range(count)))
+    return out
 
 
 def gather_ints(value: int) -> list[int]:

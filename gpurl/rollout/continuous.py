@@ -80,12 +80,14 @@ class Continuous:
         self.drawn_at: dict[int, int] = {}  # group id -> the data batch it was drawn in
         self._ids = 0
         self._counts: dict[str, float] = {}
+        self._restored: dict | None = None  # a checkpoint's stream, rebuilt at the next step
 
     def collect(self, step: int, ready: Callable[[], bool], swap: Callable[[], Any]) -> Collected:
         """The batch of step `step` (the trainer's weights are version `step`)."""
         t0 = time.perf_counter()
         if self.stream is None:
-            self.stream = self.rounds.engine.stream(self.rounds.prompt_width)
+            self.stream = self.rounds.engine.stream(self.rounds.prompt_width, self._restored)
+            self._restored = None
         oldest = step - self.cfg.max_lag
         dropped = self._drop_ready(oldest)
         iterations, sync_s = 0, 0.0
@@ -116,10 +118,32 @@ class Continuous:
             sync_s += time.perf_counter() - t1
         return self._batch(step, time.perf_counter() - t0 - sync_s, sync_s, dropped)
 
-    def data_position(self) -> int:
-        """The first batch of prompts with a group not trained yet (a resumed run draws
-        again from there)."""
-        return min(self.drawn_at.values(), default=self.collector.position)
+    def snapshot(self) -> dict:
+        """The in-flight state as plain data, for a checkpoint: the stream (its decoding
+        requests flushed to the queues, tokens, versions and sampling offsets kept), the
+        groups with their finished completions, the ready order, the data position. The
+        next step takes the trainer's weights at its first iteration, so a run resumed from
+        the checkpoint (`restore`) goes on exactly as this one does."""
+        self.params = None  # the weights are taken again: the resumed run must do the same
+        return {"stream": None if self.stream is None else self.stream.snapshot(),
+                "position": self.collector.position, "ids": self._ids, "ready": self.ready,
+                "counts": self._counts,
+                "groups": [[gid, g.prompt, g.seeds.tolist(), g.requests, self.drawn_at[gid],
+                            [[i, _completion_state(c)] for i, c in g.done.items()]]
+                           for gid, g in self.groups.items()]}
+
+    def restore(self, state: dict) -> None:
+        """The state `snapshot` gave (this process's); the stream is rebuilt at the next
+        step (a collective)."""
+        self.collector.position, self._ids = state["position"], state["ids"]
+        self.ready, self._counts, self._restored = list(state["ready"]), state["counts"], state["stream"]
+        for gid, prompt, seeds, requests, drawn, done in state["groups"]:
+            g = Group(prompt, np.asarray(seeds, np.uint32), list(requests),
+                      {i: _completion_from(c) for i, c in done})
+            self.groups[gid], self.drawn_at[gid] = g, drawn
+            for i in g.requests:
+                if i not in g.done:
+                    self.owner[i] = gid
 
     # --------------------------------------------------------------- internals
 
@@ -178,3 +202,16 @@ class Continuous:
                             "rollout/restarted": float(drops.sum()), "time/sync_s": sync_s,
                             "rollout/version": float(self.version)})
         return got
+
+
+def _completion_state(c: Completion) -> dict:
+    return {"tokens": c.tokens.tolist(), "logprobs": c.logprobs.tolist(), "stopped": c.stopped,
+            "versions": c.versions.tolist(),
+            "routes": None if c.routes is None else c.routes.tolist()}
+
+
+def _completion_from(data: dict) -> Completion:
+    return Completion(np.asarray(data["tokens"], np.int32), np.asarray(data["logprobs"], np.float32),
+                      data["stopped"], None if data["routes"] is None
+                      else np.asarray(data["routes"], np.int16),
+                      np.asarray(data["versions"], np.int32))

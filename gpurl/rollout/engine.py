@@ -89,10 +89,11 @@ class Engine(Programs):
                                 - self.stats["decode_s"])
         return sched.completions()
 
-    def stream(self, prefill_width: int = 0) -> "Stream":
-        """A generation that requests join while it runs (`Stream`). Every process must
-        call this, and then `Stream.iterate`, together."""
-        return Stream(self, prefill_width)
+    def stream(self, prefill_width: int = 0, state: dict | None = None) -> "Stream":
+        """A generation that requests join while it runs (`Stream`), or the one whose
+        `Stream.snapshot` is `state`. Every process must call this, and then
+        `Stream.iterate`, together."""
+        return Stream(self, prefill_width, state)
 
     def _scheduler(self, requests: Sequence[Request], resume: Callable | None,
                    prefill_width: int) -> Scheduler:
@@ -192,16 +193,30 @@ class Stream:
     than a version. Every process calls `iterate` together (one host gather each). The
     stream has a KV pool of its own: the engine's `generate` (an evaluation) runs beside it."""
 
-    def __init__(self, engine: Engine, prefill_width: int = 0):
+    def __init__(self, engine: Engine, prefill_width: int = 0, state: dict | None = None):
         self.engine = engine
         self.sched = engine._scheduler([], None, prefill_width)
         self.floor = bucket(min(engine.cfg.slots, MIN_DECODE_ROWS))
         _, self.width, blocks = (int(x) for x in host.gather(self.sched.first_needs()).max(axis=0))
+        if state is not None:  # the pool and table sizes of the snapshot: the same programs
+            self.width, blocks = state["width"], state["blocks"]
         saved, engine._pool = engine._pool, None
         self.sched.start(engine._ensure_pool(blocks))
         self.pool, engine._pool = engine._pool, saved
         self.stats = _counts()
         self._handed = 0
+        if state is not None:
+            self.sched.load(state["scheduler"])
+            self.stats.update(state["stats"])
+            self._handed = state["handed"]
+
+    def snapshot(self) -> dict:
+        """The stream as plain data, its decoding requests flushed to their queues first
+        (`Scheduler.flush`): a stream rebuilt from it (`Engine.stream(state=...)`) goes on
+        exactly as this one does after the flush."""
+        return {"scheduler": self.sched.snapshot(), "width": self.width,
+                "blocks": int(self.pool[0].shape[2]), "handed": self._handed,
+                "stats": dict(self.stats)}
 
     def add(self, requests: Sequence[Request]) -> list[int]:
         """Queues one prompt's requests (they stay on one data shard); their indices."""

@@ -215,6 +215,36 @@ class Scheduler:
                 dropped += 1
         return dropped
 
+    def flush(self) -> None:
+        """Every decoding request gives its blocks back and waits at the head of its queue
+        (the oldest admitted first), its tokens kept: readmitted, its sequence is
+        recomputed by a prefill. A checkpoint's state is then the queues alone."""
+        for shard in self.shards:
+            for live in sorted(shard.rows, key=lambda x: x.admitted, reverse=True):
+                shard.rows.remove(live)
+                shard.release(live)
+                shard.queue.appendleft(live)
+
+    def snapshot(self) -> dict:
+        """The flushed scheduler as plain data (`load` rebuilds it)."""
+        self.flush()
+        return {"count": len(self.lives), "clock": self.clock, "finished": list(self.finished),
+                "stats": dict(self.stats),
+                "queues": [[_live_state(x) for x in shard.queue] for shard in self.shards]}
+
+    def load(self, state: dict) -> None:
+        """The state `snapshot` gave, on started shards; finished requests' completions stay
+        with the caller."""
+        self.lives = [Live(i, Request((0,), 1)) for i in range(state["count"])]
+        self.clock, self.finished = state["clock"], list(state["finished"])
+        self.stats.update(state["stats"])
+        for shard, queue in zip(self.shards, state["queues"]):
+            for data in queue:
+                live = _live_from(data)
+                self.lives[live.index] = live
+                shard.queue.append(live)
+        self.grown = True
+
     def busy(self) -> bool:
         """Whether any request is queued or decoding."""
         return any(s.queue or s.rows for s in self.shards)
@@ -429,6 +459,24 @@ class Scheduler:
         if live.routes:
             out[:len(live.routes)] = np.stack(live.routes)[:len(live.tokens)]
         return out
+
+
+def _live_state(live: Live) -> dict:
+    r = live.request
+    return {"index": live.index, "admitted": live.admitted, "tokens": list(live.tokens),
+            "logprobs": list(live.logprobs), "versions": list(live.versions),
+            "routes": [x.tolist() for x in live.routes],
+            "request": {**r.__dict__, "prompt": list(r.prompt),
+                        "stop_ids": None if r.stop_ids is None else list(r.stop_ids)}}
+
+
+def _live_from(data: dict) -> Live:
+    fields = dict(data["request"])
+    fields["prompt"] = tuple(fields["prompt"])
+    fields["stop_ids"] = None if fields["stop_ids"] is None else tuple(fields["stop_ids"])
+    return Live(data["index"], Request(**fields), list(data["tokens"]), list(data["logprobs"]),
+                [np.asarray(x, np.int16) for x in data["routes"]], list(data["versions"]),
+                admitted=data["admitted"])
 
 
 def check(r: Request) -> None:

@@ -13,9 +13,12 @@ loop reads step s's metrics after dispatching step s+1.
 
 from __future__ import annotations
 
+import base64
 import functools
+import json
 import math
 import time
+import zlib
 from typing import Any, Sequence
 
 import jax
@@ -398,14 +401,19 @@ class RLStepper(Stepper):
         self._prefetched = (step + 1, self.collector.round(params, step + 1, 0))
         return time.perf_counter() - t0
 
-    def state_meta(self) -> dict[str, float]:
+    def state_meta(self) -> dict[str, Any]:
         """The prepare step's carry (PPO's adaptive KL coefficient) and the data position:
         the batches of prompts the finished steps drew (a round sampled ahead for the next
-        step is not kept, so a resumed run draws it again)."""
+        step is not kept, so a resumed run draws it again). Continuous mode: every
+        process's in-flight state (`Continuous.snapshot`, compressed), all batches drawn."""
         ahead = 1 if self._prefetched is not None else 0
-        position = (self.continuous.data_position() if self.continuous is not None
-                    else self.collector.position - ahead)
-        return {**{k: float(v) for k, v in self.carry.items()}, "data_position": float(position)}
+        meta = {**{k: float(v) for k, v in self.carry.items()},
+                "data_position": float(self.collector.position - ahead)}
+        if self.continuous is not None:  # every process's in-flight state, in process order
+            text = base64.b64encode(zlib.compress(json.dumps(self.continuous.snapshot()).encode()))
+            meta["continuous"] = host.gather_text(text.decode())
+            meta["data_position"] = float(self.collector.position)
+        return meta
 
     def restore_meta(self, meta: dict) -> None:
         self.carry = {k: jnp.float32(meta.get(k, v)) for k, v in self.carry.items()}
@@ -414,6 +422,9 @@ class RLStepper(Stepper):
         per_step = self.collector.rounds if self.algo.dynamic_sampling else 1
         legacy = int(meta.get("step", 0)) * per_step
         self.collector.position = int(meta.get("data_position", legacy))
+        if self.continuous is not None and "continuous" in meta:
+            text = meta["continuous"][runtime.process_index()]
+            self.continuous.restore(json.loads(zlib.decompress(base64.b64decode(text))))
 
     def evaluate(self, params: Any) -> dict[str, float]:
         params = self.sync(self.setup.spec.policy_params(params))
