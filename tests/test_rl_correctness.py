@@ -152,6 +152,13 @@ def test_behaviour_weights_match_a_numpy_transcription():
     np.testing.assert_allclose(metrics["off_policy/weight_mean"], want[on].mean(), rtol=1e-6)
     np.testing.assert_allclose(metrics["off_policy/ess"],
                                want[on].sum() ** 2 / (on.sum() * (want[on] ** 2).sum()), rtol=1e-5)
+    # sequence level (verl's sequence-level TIS): min(prod_t pi_old / pi_sampler, C) per row
+    sequence = np.minimum(np.exp(((old - sampler) * mask).sum(-1, keepdims=True)), 1.5) * mask
+    w, metrics = behaviour_weights(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(mask), 1.5,
+                                   "sequence")
+    np.testing.assert_allclose(w, sequence, rtol=1e-5)
+    assert len({tuple(np.unique(row[m > 0])) for row, m in zip(np.asarray(w), mask)}) > 1
+    np.testing.assert_allclose(metrics["off_policy/weight_mean"], sequence[on].mean(), rtol=1e-5)
 
 
 # ---------------------------------------------------------------- 5. the data stream

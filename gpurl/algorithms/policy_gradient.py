@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from gpurl.algorithms.choices import Choices
 from gpurl.algorithms.objective import Batch
-from gpurl.config import Advantage, ImportanceRatio, KLEstimator, LossAgg, PolicyGradientConfig
+from gpurl.config import (Advantage, ImportanceRatio, KLEstimator, LossAgg, PolicyGradientConfig,
+                          TISLevel)
 
 # ---------------------------------------------------------------- KL(pi || pi_ref) per token
 
@@ -151,10 +152,28 @@ def ratio_uses_old(cfg: PolicyGradientConfig) -> bool:
     return cfg.num_iterations > 1
 
 
+# log(pi_old / pi_behaviour) where the truncated weight is taken, B x T: per token, or per
+# sequence (the sum over its tokens, the log of the product of their ratios, on each token):
+# verl's rollout correction calls these token- and sequence-level TIS.
+BEHAVIOUR_RATIOS: Choices[Callable[[jax.Array, jax.Array], jax.Array]] = Choices(
+    "truncated importance weight level", TISLevel)
+
+
+@BEHAVIOUR_RATIOS.register(TISLevel.TOKEN)
+def _token_log_ratio(log_r_BxT, mask_BxT):
+    return log_r_BxT
+
+
+@BEHAVIOUR_RATIOS.register(TISLevel.SEQUENCE)
+def _sequence_log_ratio(log_r_BxT, mask_BxT):
+    return jnp.broadcast_to((log_r_BxT * mask_BxT).sum(-1, keepdims=True), log_r_BxT.shape)
+
+
 def behaviour_weights(old_BxT: jax.Array, sampler_BxT: jax.Array, mask_BxT: jax.Array,
-                      cap: float) -> tuple[jax.Array, dict]:
+                      cap: float, level: str = TISLevel.TOKEN) -> tuple[jax.Array, dict]:
     """Truncated importance weights w = min(pi_old / pi_behaviour, C) per token, B x T, and
-    their metrics over the masked tokens.
+    their metrics over the masked tokens; `level` sequence: one weight per sequence, the
+    product of its tokens' ratios truncated at C (`BEHAVIOUR_RATIOS`).
 
     pi_behaviour is the policy that sampled each token (the sampler's log-probs) and pi_old
     the trainer's policy at the start of the step (the proximal policy): the clipped ratio
@@ -166,7 +185,7 @@ def behaviour_weights(old_BxT: jax.Array, sampler_BxT: jax.Array, mask_BxT: jax.
     token-level rollout correction). Logged: the fraction of tokens whose weight
     was truncated, the mean weight, and the effective sample size (sum w)^2 / (n sum w^2)
     of the n tokens (1 when every weight is equal)."""
-    raw_BxT = jnp.exp(old_BxT - sampler_BxT)
+    raw_BxT = jnp.exp(BEHAVIOUR_RATIOS[level]((old_BxT - sampler_BxT) * mask_BxT, mask_BxT))
     weights_BxT = jnp.minimum(raw_BxT, cap) * mask_BxT
     n = jnp.maximum(mask_BxT.sum(), 1.0)
     total = weights_BxT.sum()
@@ -185,7 +204,7 @@ def off_policy_terms(cfg: PolicyGradientConfig, off_policy: bool, old_BxT: jax.A
         return {}, {}
     shape = batch["sampler_logprobs"].shape
     weights, metrics = behaviour_weights(old_BxT.reshape(shape), batch["sampler_logprobs"],
-                                         batch["comp_mask"], cap)
+                                         batch["comp_mask"], cap, cfg.tis_level)
     return {"is_weights": weights}, metrics
 
 

@@ -25,7 +25,7 @@ from gpurl.config.algo import (Advantage, AlgoConfig, CriticBackbone, CriticConf
                                DistillSignal, DPOConfig, DPOLoss, GRPOConfig, ImportanceRatio,
                                KDConfig, KLControlConfig, KLEstimator, LossAgg, OPDConfig,
                                ORPOConfig, PolicyGradientConfig, PPOConfig, RewardModelConfig,
-                               SFTConfig, SimPOConfig, TeacherConfig)
+                               SFTConfig, SimPOConfig, TeacherConfig, TISLevel)
 from gpurl.config.model import LoraConfig, MoEConfig, ModelConfig
 from gpurl.config.run import (LoggerName, Placement, OptimConfig, TrainConfig, RolloutConfig,
                               MeshConfig, LoggerConfig, RunConfig, DistributedConfig,
@@ -33,7 +33,7 @@ from gpurl.config.run import (LoggerName, Placement, OptimConfig, TrainConfig, R
 
 __all__ = ["DTYPES", "ConfigError", "lookup", "DataConfig", "EnvConfig", "Advantage",
            "AlgoConfig", "CriticBackbone", "CriticConfig", "Divergence", "DistillSignal",
-           "DPOConfig", "DPOLoss", "GRPOConfig", "ImportanceRatio", "KDConfig",
+           "DPOConfig", "DPOLoss", "GRPOConfig", "ImportanceRatio", "TISLevel", "KDConfig",
            "KLControlConfig", "KLEstimator", "LossAgg", "OPDConfig", "ORPOConfig",
            "PolicyGradientConfig", "PPOConfig", "RewardModelConfig", "SFTConfig", "SimPOConfig",
            "TeacherConfig", "LoraConfig", "MoEConfig", "ModelConfig", "LoggerName", "Placement",

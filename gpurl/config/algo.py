@@ -45,6 +45,14 @@ class Advantage(str, enum.Enum):
     RLOO = "rloo"
 
 
+class TISLevel(str, enum.Enum):
+    """Where the truncated behaviour weight min(pi_old / pi_behaviour, C) is taken: per
+    token, or per sequence (the product over its tokens, one weight for all of them)."""
+
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+
+
 class ImportanceRatio(str, enum.Enum):
     """The policy ratio the clipped surrogate uses: per token, or GSPO's per sequence."""
 
@@ -170,6 +178,7 @@ class PolicyGradientConfig(AlgoConfig):
     tis_cap: Optional[float] = None
     # rollout.async: weight tokens sampled a step ahead by min(pi_old / pi_sampler, C), C = tis_cap or 2; false = none (unless tis_cap)
     async_correction: bool = True
+    tis_level: str = "token"  # truncated importance weight per token or per sequence (the product of its tokens' ratios)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill the batch
     max_refills: int = 4  # dynamic sampling: extra rollout rounds per step at most
     overlong_buffer: int = 0  # DAPO overlong shaping: penalty ramps over the last N tokens; 0 = off
@@ -182,6 +191,7 @@ class PolicyGradientConfig(AlgoConfig):
         _enum(self, "kl_estimator", "algo.kl_estimator", KLEstimator)
         _enum(self, "loss_agg", "algo.loss_agg", LossAgg)
         _enum(self, "importance", "algo.importance", ImportanceRatio)
+        _enum(self, "tis_level", "algo.tis_level", TISLevel)
         _positive("algo.beta", self.beta, allow_zero=True)
         _positive("algo.epsilon", self.epsilon)
         if self.tis_cap is not None:
