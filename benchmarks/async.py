@@ -1,0 +1,189 @@
+"""Synchronous, one-step-ahead and continuous rollouts: step throughput and idle time.
+
+The main job (GRPO on the real Gemma 3 270M, addition) with split placement over host
+devices (one rollout device, one trainer device), answers allowed up to `--tokens` tokens
+so their lengths have a long tail (most stop at the newline after a few tokens, a few run
+to the limit). Each mode is built, warmed up (one step: its programs compile), then timed
+over `--steps` steps, the three modes in one run:
+
+- sync: `rollout.async=false` (each step samples, then trains);
+- one_step_off: `rollout.async=true` (step s+1's first round sampled while step s trains);
+- continuous: `rollout.continuous=true` (the engine never stops; new weights enter
+  between decode chunks; `rollout.swap_chunks=0`: as soon as they are computed).
+
+Reported per mode: seconds per step (median of the time from a step's start to the next's),
+samples per second at that step time, the lengths of the completions trained, and the
+fraction of a step's time each side was busy (median over the steps): the rollout engine's scheduling iterations (prefills and
+decode chunks, host work included) and the trainer's programs (from a train step's
+dispatch, or the end of the one before it, to its parameters being computed). On a CPU
+both sides share the same cores, so an overlap here cannot be a speed-up by itself; the
+idle fractions say how much of each side's time the mode lets the other use, which is
+what turns into throughput on GPUs.
+
+    python benchmarks/async.py                        # the real model (CPU: ~15 min)
+    python benchmarks/async.py --smoke                # tiny random model, seconds
+    python benchmarks/async.py --plot timeline.png    # the time lines of the three modes
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gpurl.cli.compose import validate  # noqa: E402
+from gpurl.train.loop import build  # noqa: E402
+
+MODES = {"sync": [], "one_step_off": ["rollout.async=true"],
+         "continuous": ["rollout.continuous=true", "rollout.swap_chunks=0"]}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=6, help="timed steps per mode")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
+    p.add_argument("--tokens", type=int, default=48, help="rollout.max_new_tokens")
+    p.add_argument("--smoke", action="store_true", help="tiny random model")
+    p.add_argument("--plot", default="", help="write the time lines here (PNG)")
+    p.add_argument("--json", default="", help="also write the table here")
+    p.add_argument("overrides", nargs="*", help="more `gpurl train` overrides (after --)")
+    return p.parse_args(argv)
+
+
+def overrides(args: argparse.Namespace, mode: str) -> list[str]:
+    model = ["model=tiny", "model.tokenizer=bytes", "data=arithmetic"] if args.smoke else []
+    return [*model, "mesh.placement=split", "mesh.rollout_devices=1", "train.eval_every=0",
+            "data.num_eval=0", "train.checkpoint_every=0", f"rollout.max_new_tokens={args.tokens}",
+            f"train.steps={args.warmup + args.steps}", "plan.check=false", "logger.progress=false",
+            *MODES[mode], *args.overrides]
+
+
+class Timeline:
+    """(start, end) intervals of each side's activity, host clock."""
+
+    def __init__(self) -> None:
+        self.rollout: list[tuple[float, float]] = []
+        self.train: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+
+    def watch_engine(self, engine: Any) -> None:
+        iterate = engine._iterate
+
+        def timed(*a: Any) -> Any:
+            t0 = time.perf_counter()
+            out = iterate(*a)
+            self.rollout.append((t0, time.perf_counter()))
+            return out
+        engine._iterate = timed
+
+    def watch_train(self, params: Any, dispatched: float) -> threading.Thread:
+        """The train step that was dispatched at `dispatched` ends when `params` are."""
+        def wait() -> None:
+            jax.block_until_ready(params)
+            done = time.perf_counter()
+            with self._lock:
+                start = max(dispatched, self.train[-1][1] if self.train else dispatched)
+                self.train.append((start, done))
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        return thread
+
+    def busy(self, side: str, lo: float, hi: float) -> float:
+        spans = sorted(getattr(self, side))
+        total, reach = 0.0, lo
+        for a, b in spans:
+            a, b = max(a, reach), min(b, hi)
+            if b > a:
+                total += b - a
+                reach = b
+        return total / (hi - lo)
+
+
+def run(mode: str, args: argparse.Namespace) -> tuple[dict, Timeline, float]:
+    cfg, setup, stepper = build(validate(overrides(args, mode)))
+    line = Timeline()
+    line.watch_engine(stepper.engine)
+    state = setup.init()
+    for step in range(args.warmup):  # compiles
+        state, _ = stepper.step(state, step)
+    jax.block_until_ready(state.params)
+    line.rollout.clear()
+    watchers, lengths = [], []
+    collect = stepper.collector.batch
+
+    def batch(rounds: list, *a: Any) -> Any:
+        lengths.extend(np.concatenate([r.local["lengths"] for r in rounds]).tolist())
+        return collect(rounds, *a)
+    stepper.collector.batch = batch
+    t_start = time.perf_counter()
+    starts = []
+    for step in range(args.warmup, args.warmup + args.steps):
+        starts.append(time.perf_counter())
+        state, _ = stepper.step(state, step)
+        watchers.append(line.watch_train(state.params, time.perf_counter()))
+    for w in watchers:
+        w.join()
+    starts.append(time.perf_counter())
+    # per step: from its start to the next's (a compile of a new shape in one step moves
+    # the medians little)
+    windows = list(zip(starts, starts[1:]))
+    step_s = statistics.median(b - a for a, b in windows)
+    rows = cfg.train.batch_size * cfg.algo.num_generations
+    lens = np.asarray(lengths)
+    figures = {"mode": mode, "step_s": round(step_s, 3),
+               "samples_per_s": round(rows / step_s, 3),
+               "rollout_busy": round(statistics.median(line.busy("rollout", a, b) for a, b in windows), 3),
+               "train_busy": round(statistics.median(line.busy("train", a, b) for a, b in windows), 3),
+               "length_p50": float(np.median(lens)), "length_p95": float(np.percentile(lens, 95)),
+               "length_max": int(lens.max())}
+    return figures, line, t_start
+
+
+def plot(lines: dict[str, tuple[Timeline, float]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(lines), 1, figsize=(10, 1.6 * len(lines)), sharex=True)
+    for ax, (mode, (line, t0)) in zip(np.atleast_1d(axes), lines.items()):
+        for lane, (side, color) in enumerate((("train", "tab:orange"), ("rollout", "tab:blue"))):
+            spans = [(a - t0, b - a) for a, b in getattr(line, side) if b > t0]
+            ax.broken_barh(spans, (lane * 10, 8), color=color)
+        ax.set_yticks([4, 14], ["train", "rollout"])
+        ax.set_title(mode, fontsize=9, loc="left")
+    np.atleast_1d(axes)[-1].set_xlabel("seconds from the first timed step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    table, lines = [], {}
+    for mode in MODES:
+        figures, line, t0 = run(mode, args)
+        table.append(figures)
+        lines[mode] = (line, t0)
+        print(json.dumps(figures), flush=True)
+    keys = list(table[0])
+    print("| " + " | ".join(keys) + " |\n| " + " | ".join("---" for _ in keys) + " |")
+    for row in table:
+        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+    if args.plot:
+        plot(lines, args.plot)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(table, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
