@@ -334,7 +334,7 @@ class RLStepper(Stepper):
     def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
         if self.continuous is not None:  # the engine takes the new weights when it can
             policy = self.setup.spec.policy_params(state.params)
-            got = self.continuous.collect(step, functools.partial(_computed, policy),
+            got = self.continuous.collect(step, functools.partial(self._computed, policy),
                                           functools.partial(self._swap, state))
             t_sync = got.metrics.pop("time/sync_s")
         else:
@@ -387,6 +387,14 @@ class RLStepper(Stepper):
         params = jax.block_until_ready(self.sync(self.setup.spec.policy_params(state.params)))
         return params, time.perf_counter() - t0
 
+    def _computed(self, tree: Any) -> bool:
+        """Whether every array of `tree` is computed (the previous step's train time ends
+        when it first is)."""
+        done = all(x.is_ready() for x in jax.tree.leaves(tree))
+        if done and self._timer is not None:
+            self._timer.observe()
+        return done
+
     def _swap(self, state: TrainState) -> Any:
         """Continuous mode: `state`'s policy in the rollout layout, once it is computed."""
         jax.block_until_ready(self.setup.spec.policy_params(state.params))
@@ -430,11 +438,6 @@ class RLStepper(Stepper):
         params = self.sync(self.setup.spec.policy_params(params))
         return self.rounds.evaluate(params, self.evals, self.train.eval_pass_k,
                                     self.train.eval_batch_size, self.train.seed)
-
-
-def _computed(tree: Any) -> bool:
-    """Whether every array of `tree` is computed (nothing waits for it)."""
-    return all(x.is_ready() for x in jax.tree.leaves(tree))
 
 
 def _prompts(data: DataConfig, setup: Setup) -> tuple[Prompts, Prompts | None, int]:
