@@ -257,6 +257,7 @@ def test_a_stream_generates_what_generate_does_as_requests_join(gemma2: Tiny) ->
     assert sum(len(set(c.versions.tolist())) > 1 for c in got.values()) >= 2
 
 
+@pytest.mark.slow  # the continuous-mode tests (test_continuous) swap and drop too
 def test_new_weights_enter_between_chunks_and_stale_requests_start_over(gemma2: Tiny) -> None:
     """Weights swapped in flight: a completion's tokens before the swap are the old
     policy's (its versions 0, then 1); `drop_stale(1)` restarts every request holding a
