@@ -98,9 +98,7 @@ class Continuous:
                 self.cfg.swap_chunks and iterations >= self.cfg.swap_chunks))
             enough, computed = host.gather([len(self.ready) >= self.per, ready()]).min(axis=0)
             if self.version < step and (due or (not self.cfg.swap_chunks and computed)):
-                t1 = time.perf_counter()
-                self.params, self.version = swap(), step
-                sync_s += time.perf_counter() - t1
+                sync_s += self._take(swap, step)
                 continue
             if enough:
                 break
@@ -113,9 +111,7 @@ class Continuous:
                     self.ready.append(gid)
             dropped += self._drop_ready(oldest)
         if self.cfg.swap_chunks and self.version < step:  # deterministic: by the batch's end
-            t1 = time.perf_counter()
-            self.params, self.version = swap(), step
-            sync_s += time.perf_counter() - t1
+            sync_s += self._take(swap, step)
         return self._batch(step, time.perf_counter() - t0 - sync_s, sync_s, dropped)
 
     def snapshot(self) -> dict:
@@ -146,6 +142,12 @@ class Continuous:
                     self.owner[i] = gid
 
     # --------------------------------------------------------------- internals
+
+    def _take(self, swap: Callable[[], Any], step: int) -> float:
+        """The trainer's weights of version `step` into the engine; the seconds it took."""
+        t0 = time.perf_counter()
+        self.params, self.version = swap(), step
+        return time.perf_counter() - t0
 
     def _top_up(self) -> None:
         """Draws batches of prompts (this process's slice) until `rollout.in_flight`

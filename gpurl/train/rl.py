@@ -397,10 +397,7 @@ class RLStepper(Stepper):
 
     def _swap(self, state: TrainState) -> Any:
         """Continuous mode: `state`'s policy in the rollout layout, once it is computed."""
-        jax.block_until_ready(self.setup.spec.policy_params(state.params))
-        if self._timer is not None:
-            self._timer.observe()
-        return jax.block_until_ready(self.sync(self.setup.spec.policy_params(state.params)))
+        return self._sync(state)[0]
 
     def _prefetch(self, params: Any, step: int) -> float:
         if step + 1 >= self.train.steps:
