@@ -26,9 +26,10 @@ def _config(tmp_path, **rollout: Any):
         logger={"progress": False}, run={"dir": str(tmp_path)}, rewards=["test_grpo:printable"])
 
 
-def _run(cfg, steps: int) -> tuple[list[dict], list[list], Any]:
+def _run(cfg, steps: int, after: Any = None) -> tuple[list[dict], list[list], Any]:
     """`steps` steps on 2 host devices (1 rollout, 1 trainer): each step's metrics, the
-    completions it trained (`Completion.versions` per token), the final parameters."""
+    completions it trained (`Completion.versions` per token), the final parameters;
+    `after(stepper)` runs last, on those devices."""
     from gpurl.distributed.mesh import using_devices
     from gpurl.train.loop import build
 
@@ -41,7 +42,23 @@ def _run(cfg, steps: int) -> tuple[list[dict], list[list], Any]:
             state, m = stepper.step(state, step)
             metrics.append({k: float(v) for k, v in m.items() if k != "time/train_s"
                             and not k.startswith("time/")})
+        if after is not None:
+            after(stepper)
         return metrics, trained, jax.tree.map(np.asarray, state.params)
+
+
+def _planned_pools(stepper) -> None:
+    """The memory plan counts the pools a continuous run holds: the stream's (its
+    rollout.in_flight batches) at least as large as the one it allocated, and an
+    evaluation's beside it."""
+    plan = stepper.rollout_plan(limit=2.0**40)
+    pool = stepper.continuous.stream.pool
+    held = sum(x.addressable_shards[0].data.nbytes for x in pool)
+    rows, width, _ = stepper._round_shape()
+    assert held > stepper.engine.pool_bytes(rows, width)  # more than one batch's pool
+    assert plan.parts["KV cache"] >= held
+    assert plan.parts["KV cache (evaluation)"] == stepper.engine.pool_bytes(
+        stepper.train.eval_batch_size, width) > 0
 
 
 @pytest.mark.e2e
@@ -49,8 +66,10 @@ def test_continuous_batches_hold_no_token_older_than_the_bound(tmp_path):
     """Three batches of prompts in flight, weights swapped after one decode iteration of
     each step, max_lag=1: groups drawn early wait past the bound and start over; every
     token trained at step s was sampled by version s - 1 or s, the lag metrics say so,
-    and the truncated importance weights are not all 1."""
-    metrics, trained, _ = _run(_config(tmp_path, max_lag=1, swap_chunks=1, in_flight=3), 5)
+    and the truncated importance weights are not all 1. The memory plan counts the
+    stream's pool of three batches and an evaluation's beside it."""
+    metrics, trained, _ = _run(_config(tmp_path, max_lag=1, swap_chunks=1, in_flight=3), 5,
+                               after=_planned_pools)
     assert len(trained) == 5
     for step, (done, m) in enumerate(zip(trained, metrics)):
         versions = np.concatenate([c.versions for c in done])

@@ -148,9 +148,13 @@ class Programs(RolloutModel):
             compiled = fn.lower(static, *args).compile()
             self._compiled[self._key(fn, static, args)] = compiled
             out.append(compiled)
+        return out, self.pool_bytes(rows, width)
+
+    def pool_bytes(self, rows: int, width: int) -> float:
+        """Bytes per device of the KV pool (keys and values) of a round of `rows` requests
+        per process with prompts of up to `width` tokens."""
         pool = self._round_pool(rows, width)
-        per_device = self.pool_sharding.shard_shape(pool.shape)
-        return out, 2.0 * math.prod(per_device) * pool.dtype.itemsize
+        return 2.0 * math.prod(self.pool_sharding.shard_shape(pool.shape)) * pool.dtype.itemsize
 
     def _round_pool(self, rows: int, width: int) -> jax.ShapeDtypeStruct:
         """The KV pool (keys or values) of a round of `rows` requests per process."""

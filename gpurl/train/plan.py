@@ -31,7 +31,7 @@ from gpurl.train.stepper import Setup, Stepper
 
 GIB = 2**30
 PARTS = ("parameters", "optimizer state", "gradients", "activations / scratch", "KV cache",
-         "teacher", "inputs", "resident")
+         "KV cache (evaluation)", "teacher", "inputs", "resident")
 
 
 def shard_bytes(abstract: Any, shardings: Any) -> int:

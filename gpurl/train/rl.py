@@ -240,7 +240,17 @@ class RLStepper(Stepper):
         resident = 0.0
         if self.sync.colocated:
             resident = self._state_bytes() - self._sampling_copy()[1] + self._frozen_bytes()
-        plan = plan_rollout(self.engine, *self._round_shape(), resident, limit)
+        rows, width, group = self._round_shape()
+        if self.continuous is not None:
+            # the stream holds rollout.in_flight batches at once (up to rollout.slots per
+            # shard), and an evaluation's `generate` has a pool of its own beside it
+            rows *= self.rollout.in_flight
+        plan = plan_rollout(self.engine, rows, width, group, resident, limit)
+        if self.continuous is not None and self.has_eval:
+            eval_rows = -(-self.train.eval_batch_size // runtime.process_count())
+            plan.parts["KV cache (evaluation)"] = self.engine.pool_bytes(eval_rows, width)
+            plan.notes.append("KV cache (evaluation): an evaluation's pool beside the "
+                              "continuous stream's")
         plan.notes.append(self.layout)
         return plan
 
