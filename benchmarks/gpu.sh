@@ -49,7 +49,11 @@ run_part() {  # name, limit seconds, command...
 }
 
 # shellcheck disable=SC2086  # the argument lists are meant to split
-run_part gpu_tests "${LIMITS[0]}" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
+# tests/conftest.py defaults JAX_PLATFORMS to cpu (the suite's 4 host devices); the GPU
+# tier names the GPU first, so its tests see it (and the CPU beside it for references).
+TIER_PLATFORMS=cpu
+[ $SMOKE = 1 ] || TIER_PLATFORMS=cuda,cpu
+run_part gpu_tests "${LIMITS[0]}" env JAX_PLATFORMS=$TIER_PLATFORMS "$PY" -m pytest -q -p no:cacheprovider -m gpu \
   tests/test_gpu.py tests/test_attention.py
 run_part train_step "${LIMITS[1]}" "$PY" benchmarks/train_step.py $TRAIN_ARGS --json "$OUT/train_step.json"
 run_part decode "${LIMITS[2]}" "$PY" benchmarks/decode.py $DECODE_ARGS --json "$OUT/decode.json"

@@ -10,7 +10,7 @@ fraction is measured tokens/s over the bound's. The H200's HBM3e moves 4.8 TB/s 
 H200 datasheet); pass `--hbm-gbps` for another device.
 
     python benchmarks/rollout_gpu.py                      # on the GPU machine
-    python benchmarks/rollout_gpu.py --model tiny --batch 4 --new-tokens 8   # CPU smoke run
+    python benchmarks/rollout_gpu.py --model tiny --batch 4 --new-tokens 8 --sampling-layers unrolled  # CPU smoke run
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--sampling-layers", default="auto", choices=["auto", "scan", "unrolled"],
+                   help="model.sampling_layers (auto: unrolled on accelerators, a scan on CPU)")
     p.add_argument("--hbm-gbps", type=float, default=4800.0, help="device memory bandwidth, GB/s")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", default=None)
@@ -47,13 +49,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = loading.resolve(ModelConfig(name=args.model, dtype=args.dtype, param_dtype=args.dtype,
-                                      init="random"))
+                                      init="random", sampling_layers=args.sampling_layers))
     spec, mesh_cfg = model_spec(cfg), MeshConfig()
     rollout = RolloutConfig(max_new_tokens=args.new_tokens, temperature=0.0, slots=args.batch,
                             block_size=args.block_size, decode_chunk=32)
     engine = Engine(spec, rollout, rollout_mesh(mesh_cfg), mesh_cfg.sample_rules, stop_ids=(),
                     pad_id=0)
-    params = jax.jit(lambda: spec.init(0), out_shardings=engine.param_shardings)()
+    # stored layout (stacked layers) first, then the sampling layout once (unrolled on GPUs)
+    params = engine.place(jax.jit(lambda: spec.init(0), out_shardings=engine.stacked_shardings)())
     rng = np.random.default_rng(0)
     requests = [Request(tuple(rng.integers(3, cfg.vocab_size, args.prompt_tokens).tolist()),
                         args.new_tokens, 0.0, seed=i) for i in range(args.batch)]
