@@ -5,6 +5,7 @@ schedule (`rollout.swap_chunks`) makes a run bit-reproducible."""
 
 from __future__ import annotations
 
+import string
 from typing import Any
 
 import jax
@@ -61,24 +62,50 @@ def _planned_pools(stepper) -> None:
         stepper.train.eval_batch_size, width) > 0
 
 
-@pytest.mark.e2e
-def test_continuous_batches_hold_no_token_older_than_the_bound(tmp_path):
-    """Three batches of prompts in flight, weights swapped after one decode iteration of
-    each step, max_lag=1: groups drawn early wait past the bound and start over; every
-    token trained at step s was sampled by version s - 1 or s, the lag metrics say so,
-    and the truncated importance weights are not all 1. The memory plan counts the
-    stream's pool of three batches and an evaluation's beside it."""
-    metrics, trained, _ = _run(_config(tmp_path, max_lag=1, swap_chunks=1, in_flight=3), 5,
-                               after=_planned_pools)
-    assert len(trained) == 5
+# Letters stop a completion (about one token in five of the random model), so lengths run
+# from 1 to 16 tokens: most groups finish within a few iterations, some take 8.
+LONG_TAIL = {"max_new_tokens": 16, "stop": list(string.ascii_letters)}
+
+
+def _check_lags(metrics: list[dict], trained: list[list], max_lag: int) -> None:
+    """No token trained at step s is older than s - max_lag, the lag metrics say what the
+    tokens say, and the long tail was trained (lengths 1-3 to 16)."""
     for step, (done, m) in enumerate(zip(trained, metrics)):
         versions = np.concatenate([c.versions for c in done])
-        assert len(done) == 16 and versions.min() >= step - 1 and versions.max() <= step
+        assert len(done) == 16 and versions.min() >= step - max_lag and versions.max() <= step
         assert m["off_policy/lag_max"] == step - versions.min()
         np.testing.assert_allclose(m["off_policy/lag"], (step - versions).mean(), rtol=1e-6)
-    assert sum(m["rollout/restarted"] for m in metrics) > 0
-    assert any(m["off_policy/weight_mean"] != 1.0 for m in metrics[1:])
+    lengths = np.concatenate([[len(c.tokens) for c in done] for done in trained])
+    assert lengths.min() < 4 and lengths.max() == 16
     assert any(len(set(c.versions.tolist())) > 1 for done in trained for c in done)
+
+
+@pytest.mark.e2e
+def test_continuous_batches_hold_no_token_older_than_the_bound(tmp_path):
+    """max_lag=1, one batch in flight, weights swapped after one scheduling iteration of
+    each step, long-tailed lengths: completions span two versions, every token trained at
+    step s was sampled by version s - 1 or s, the lag metrics say so, the truncated
+    importance weights are not all 1, and no group was sampled again."""
+    metrics, trained, _ = _run(_config(tmp_path, max_lag=1, swap_chunks=1, in_flight=1,
+                                       **LONG_TAIL), 5)
+    _check_lags(metrics, trained, 1)
+    assert any(m["off_policy/weight_mean"] != 1.0 for m in metrics[1:])
+    assert [m["rollout/restarted"] for m in metrics] == [0.0] * 5
+
+
+@pytest.mark.e2e
+def test_long_completions_are_trained_not_started_over(tmp_path):
+    """Earliest deadline first: max_lag=2, two batches in flight, new weights after every
+    scheduling iteration and long-tailed lengths. Ready-first alone lets the short groups
+    overtake the long ones until those pass the bound and start over (8 requests at step 3
+    before this was fixed: the long tail dropped from training); a group whose oldest token
+    is max_lag versions old is now due, so none starts over. The memory plan counts the
+    stream's pool of two batches and an evaluation's beside it."""
+    metrics, trained, _ = _run(_config(tmp_path, max_lag=2, swap_chunks=1, in_flight=2,
+                                       **LONG_TAIL), 6, after=_planned_pools)
+    _check_lags(metrics, trained, 2)
+    assert [m["rollout/restarted"] for m in metrics] == [0.0] * 6
+    assert max(m["off_policy/lag_max"] for m in metrics) == 2
 
 
 @pytest.mark.e2e
@@ -99,6 +126,12 @@ def test_continuous_mode_needs_split_placement_and_excludes_async(tmp_path):
                                           r"continuous mode overlaps rollout and training "
                                           r"itself, so set one\.$"):
         RolloutConfig(continuous=True, async_=True)
+    with pytest.raises(ConfigError, match=r"^rollout.in_flight=3 is more than rollout.max_lag=2: "
+                                          r".* set rollout.in_flight<=2 or rollout.max_lag>=3\.$"):
+        RolloutConfig(continuous=True, in_flight=3)
+    with pytest.raises(ConfigError, match=r"^rollout.max_lag=0 .* set rollout.max_lag>=1 or "
+                                          r"rollout.continuous=false\.$"):
+        RolloutConfig(continuous=True, max_lag=0)
     from gpurl.train.loop import build
 
     cfg = make_config(algo={"name": "grpo", "num_generations": 4},

@@ -136,7 +136,8 @@ def test_continuous_rollouts_over_two_processes_take_each_version_together(tmp_p
     older than rollout.max_lag, every trained row is scored once where it lives, and a
     second run reproduces the first's figures exactly."""
     args = GRPO_ARGS + ["mesh.placement=split", "mesh.rollout_devices=2", "rollout.continuous=true",
-                        "rollout.swap_chunks=2", "rollout.max_lag=1", "rollout.decode_chunk=2"]
+                        "rollout.swap_chunks=2", "rollout.max_lag=1", "rollout.in_flight=1",
+                        "rollout.decode_chunk=2"]
     procs = []
     for name in ("a", "b"):
         (tmp_path / f"count-{name}").mkdir()

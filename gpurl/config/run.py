@@ -127,11 +127,11 @@ class RolloutConfig:
     # split placement: the engine never stops; new weights enter between decode chunks and
     # each step trains the first groups that finish (docs/distributed.md, three modes)
     continuous: bool = False
-    max_lag: int = 2  # continuous: tokens trained are at most this many policy versions old (older requests start over)
+    max_lag: int = 2  # continuous: tokens trained are at most this many policy versions old (a group is trained when its oldest token reaches it)
     # continuous: 0 = new weights enter at the first decode chunk after they are ready; N = after
     # exactly N scheduling iterations of each step (a deterministic, bit-reproducible schedule)
     swap_chunks: int = 0
-    in_flight: int = 2  # continuous: batches of prompts kept queued or decoding
+    in_flight: int = 2  # continuous: batches of prompts kept queued or decoding (at most max_lag)
 
     def __post_init__(self) -> None:
         _tuplify(self)
@@ -154,6 +154,19 @@ class RolloutConfig:
         if self.continuous and self.async_:
             raise ConfigError("rollout.continuous and rollout.async are both set; continuous "
                               "mode overlaps rollout and training itself, so set one.")
+        if self.continuous and self.max_lag == 0:
+            raise ConfigError("rollout.max_lag=0 lets continuous mode train no token sampled "
+                              "before a step's weights, so nothing overlaps; set "
+                              "rollout.max_lag>=1 or rollout.continuous=false.")
+        if self.continuous and self.in_flight > self.max_lag:
+            # a group first sampled before a step's weight swap is a version old, so it has
+            # max_lag steps to be trained; more batches in flight than that cannot all be
+            # and would be sampled again at every step (docs/distributed.md)
+            raise ConfigError(
+                f"rollout.in_flight={self.in_flight} is more than rollout.max_lag="
+                f"{self.max_lag}: continuous mode trains at most max_lag batches of groups "
+                f"within the bound, so the others would be sampled again at every step; set "
+                f"rollout.in_flight<={self.max_lag} or rollout.max_lag>={self.in_flight}.")
 
 
 @dataclass(frozen=True)

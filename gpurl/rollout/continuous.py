@@ -17,10 +17,17 @@ when its batch is ready, if sooner): a schedule that depends on tokens alone, so
 bit-reproducible.
 
 Bounded staleness (`rollout.max_lag` = L): at step s no trained token is older than
-version s - L. A request in flight holding an older token starts over (its tokens
-dropped, its sampling keys from its first token again, under the current weights), and a
-finished group holding one is sampled again; the engine takes new weights at once when
-its own are older than the bound. The loss corrects for the lag with the trainer's
+version s - L. Ready-first alone would starve long completions (short ones keep filling
+the batches until the long ones' first tokens are too old), so the groups holding a token
+of version s - L are due at step s: the step waits for them and trains them first
+(earliest deadline first), and the rest of the batch is ready-first. A group first
+sampled before a step's weight swap is a version old, so it has L steps to be trained:
+`rollout.in_flight` <= L (checked) keeps the groups due at a step within one batch. Should
+more be due (a request admitted late), the rest pass the bound: a request in
+flight holding an older token starts over (its tokens dropped, its sampling keys from its
+first token again, under the current weights), and a finished group holding one is
+sampled again; the engine takes new weights at once when its own are older than the
+bound. The loss corrects for the lag with the trainer's
 policy at the step start as the proximal policy and truncated importance weights
 min(pi_old / pi_behaviour, C) per token (`gpurl.algorithms.policy_gradient.
 behaviour_weights`), pi_behaviour being each token's log-prob under the version that
@@ -96,7 +103,7 @@ class Continuous:
             dropped += self.stream.drop_stale(oldest)
             due = self.version < step and (self.params is None or self.version < oldest or (
                 self.cfg.swap_chunks and iterations >= self.cfg.swap_chunks))
-            enough, computed = host.gather([len(self.ready) >= self.per, ready()]).min(axis=0)
+            enough, computed = host.gather([self._can_batch(step), ready()]).min(axis=0)
             if self.version < step and (due or (not self.cfg.swap_chunks and computed)):
                 sync_s += self._take(swap, step)
                 continue
@@ -183,8 +190,29 @@ class Continuous:
             self._add(g.prompt, g.seeds, self.drawn_at.pop(gid))
         return len(stale) * self.group
 
+    def _due(self, step: int) -> list[int]:
+        """The groups step `step` must train, at most a batch: those holding a token of
+        version step - max_lag, which step + 1 could not (oldest first). A step waits for
+        them rather than starting them over, so a long completion is trained late but is
+        not starved by the short ones finishing first (rollout.in_flight <= max_lag keeps
+        the groups due at a step within one batch)."""
+        first = self.stream.started()
+        due = []
+        for gid, g in self.groups.items():
+            versions = [first[i] for i in g.requests if i in first]
+            versions += [int(c.versions.min()) for c in g.done.values() if c.versions.size]
+            if versions and min(versions) <= step - self.cfg.max_lag:
+                due.append((min(versions), gid))
+        return [gid for _, gid in sorted(due)[:self.per]]
+
+    def _can_batch(self, step: int) -> bool:
+        """A batch is ready: `per` groups ready, the ones due among them."""
+        return len(self.ready) >= self.per and all(self.groups[g].ready for g in self._due(step))
+
     def _batch(self, step: int, rollout_s: float, sync_s: float, dropped: int) -> Collected:
-        taken, self.ready = self.ready[:self.per], self.ready[self.per:]
+        due = self._due(step)
+        taken = due + [gid for gid in self.ready if gid not in due][:self.per - len(due)]
+        self.ready = [gid for gid in self.ready if gid not in taken]
         groups = [self.groups.pop(gid) for gid in taken]
         for gid in taken:
             self.drawn_at.pop(gid)

@@ -241,6 +241,10 @@ class Stream:
         self._handed = len(self.sched.finished)
         return [(i, self.sched.done[i]) for i in done]
 
+    def started(self) -> dict[int, int]:
+        """Index -> the version of its first token, of each unfinished request holding one."""
+        return self.sched.started()
+
     def drop_stale(self, oldest: int) -> int:
         """Requests holding a token of a version below `oldest` start over (`Scheduler.
         drop_stale`); how many did."""

@@ -196,6 +196,11 @@ class Scheduler:
         self.grown = True
         return list(range(first, len(self.lives)))
 
+    def started(self) -> dict[int, int]:
+        """The policy version of the first token of each unfinished request holding one."""
+        return {x.index: x.versions[0] for shard in self.shards
+                for x in [*shard.rows, *shard.queue] if x.versions}
+
     def drop_stale(self, oldest: int) -> int:
         """Requests holding a token sampled by a policy version below `oldest` start over
         (their tokens dropped, their blocks released, queued first; their sampling keys
