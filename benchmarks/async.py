@@ -11,16 +11,20 @@ over `--steps` steps, the three modes in one run:
 - continuous: `rollout.continuous=true` (the engine never stops; new weights enter
   between decode chunks; `rollout.swap_chunks=0`: as soon as they are computed).
 
-Reported per mode: seconds per step (median of the time from a step's start to the next's),
-samples per second at that step time, the lengths of the completions trained, and the
-fraction of a step's time each side was busy (median over the steps): the rollout engine's scheduling iterations (prefills and
-decode chunks, host work included) and the trainer's programs (from a train step's
-dispatch, or the end of the one before it, to its parameters being computed). On a CPU
+Reported per mode, over the whole timed window (from the first timed step's start until
+the last one's parameters are computed; a continuous step returns once its batch is
+dispatched, so per-step intervals say little): seconds per step and samples per second;
+the seconds JAX spent tracing and compiling in the window (a new shape met during the
+timed steps; the same shapes recur in every mode, but which steps meet them is chance)
+and the step time without them; the fraction of the window each side was busy: the
+rollout engine's scheduling iterations (prefills and decode chunks, host work included)
+and the trainer's programs (from a train step's dispatch, or the end of the one before
+it, to its parameters being computed); the lengths of the completions trained. On a CPU
 both sides share the same cores, so an overlap here cannot be a speed-up by itself; the
 idle fractions say how much of each side's time the mode lets the other use, which is
 what turns into throughput on GPUs.
 
-    python benchmarks/async.py                        # the real model (CPU: ~15 min)
+    python benchmarks/async.py                        # the real model (CPU: ~8 min)
     python benchmarks/async.py --smoke                # tiny random model, seconds
     python benchmarks/async.py --plot timeline.png    # the time lines of the three modes
 """
@@ -33,7 +37,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
@@ -68,13 +71,32 @@ def overrides(args: argparse.Namespace, mode: str) -> list[str]:
             *MODES[mode], *args.overrides]
 
 
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
 class Timeline:
-    """(start, end) intervals of each side's activity, host clock."""
+    """(start, end) intervals of each side's activity, and of JAX's tracing and compiling
+    (a new shape met during the timed steps), host clock."""
 
     def __init__(self) -> None:
         self.rollout: list[tuple[float, float]] = []
         self.train: list[tuple[float, float]] = []
+        self.compile: list[tuple[float, float]] = []
         self._lock = threading.Lock()
+        jax.monitoring.register_event_duration_secs_listener(self._compiled)
+
+    def stop(self) -> None:
+        """Ends the compile lane (the listener stays registered: JAX has no removal)."""
+        self.compile_open = False
+
+    compile_open = True
+
+    def _compiled(self, event: str, seconds: float, **_: Any) -> None:
+        if event in COMPILE_EVENTS and self.compile_open:
+            now = time.perf_counter()
+            self.compile.append((now - seconds, now))
 
     def watch_engine(self, engine: Any) -> None:
         iterate = engine._iterate
@@ -126,24 +148,25 @@ def run(mode: str, args: argparse.Namespace) -> tuple[dict, Timeline, float]:
         return collect(rounds, *a)
     stepper.collector.batch = batch
     t_start = time.perf_counter()
-    starts = []
     for step in range(args.warmup, args.warmup + args.steps):
-        starts.append(time.perf_counter())
         state, _ = stepper.step(state, step)
         watchers.append(line.watch_train(state.params, time.perf_counter()))
     for w in watchers:
         w.join()
-    starts.append(time.perf_counter())
-    # per step: from its start to the next's (a compile of a new shape in one step moves
-    # the medians little)
-    windows = list(zip(starts, starts[1:]))
-    step_s = statistics.median(b - a for a, b in windows)
+    t_end = time.perf_counter()
+    line.stop()
+    # the whole timed window: a continuous step returns as soon as its batch is
+    # dispatched, so per-step intervals say little; steps x rows over the window does
+    wall = t_end - t_start
+    compiling = line.busy("compile", t_start, t_end) * wall
     rows = cfg.train.batch_size * cfg.algo.num_generations
     lens = np.asarray(lengths)
-    figures = {"mode": mode, "step_s": round(step_s, 3),
-               "samples_per_s": round(rows / step_s, 3),
-               "rollout_busy": round(statistics.median(line.busy("rollout", a, b) for a, b in windows), 3),
-               "train_busy": round(statistics.median(line.busy("train", a, b) for a, b in windows), 3),
+    figures = {"mode": mode, "step_s": round(wall / args.steps, 3),
+               "samples_per_s": round(rows * args.steps / wall, 3),
+               "compile_s": round(compiling, 2),
+               "step_s_less_compiles": round((wall - compiling) / args.steps, 3),
+               "rollout_busy": round(line.busy("rollout", t_start, t_end), 3),
+               "train_busy": round(line.busy("train", t_start, t_end), 3),
                "length_p50": float(np.median(lens)), "length_p95": float(np.percentile(lens, 95)),
                "length_max": int(lens.max())}
     return figures, line, t_start
@@ -154,12 +177,13 @@ def plot(lines: dict[str, tuple[Timeline, float]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(lines), 1, figsize=(10, 1.6 * len(lines)), sharex=True)
+    fig, axes = plt.subplots(len(lines), 1, figsize=(10, 1.9 * len(lines)), sharex=True)
     for ax, (mode, (line, t0)) in zip(np.atleast_1d(axes), lines.items()):
-        for lane, (side, color) in enumerate((("train", "tab:orange"), ("rollout", "tab:blue"))):
+        lanes = (("compile", "tab:gray"), ("train", "tab:orange"), ("rollout", "tab:blue"))
+        for lane, (side, color) in enumerate(lanes):
             spans = [(a - t0, b - a) for a, b in getattr(line, side) if b > t0]
             ax.broken_barh(spans, (lane * 10, 8), color=color)
-        ax.set_yticks([4, 14], ["train", "rollout"])
+        ax.set_yticks([4, 14, 24], [side for side, _ in lanes])
         ax.set_title(mode, fontsize=9, loc="left")
     np.atleast_1d(axes)[-1].set_xlabel("seconds from the first timed step")
     fig.tight_layout()
