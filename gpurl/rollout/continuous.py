@@ -63,8 +63,12 @@ class Group:
     def ready(self) -> bool:
         return len(self.done) == len(self.requests)
 
-    def oldest(self) -> int:
-        return min(int(c.versions.min(initial=1 << 30)) for c in self.done.values())
+    def oldest(self, started: dict[int, int] | None = None) -> int:
+        """The version of its oldest token: of its finished completions, and of its
+        requests in flight given `started` (`Stream.started`); 1 << 30 when it has none."""
+        done = [int(c.versions.min(initial=1 << 30)) for c in self.done.values()]
+        flying = [started[i] for i in self.requests if i in started] if started else []
+        return min(done + flying, default=1 << 30)
 
 
 class Continuous:
@@ -196,14 +200,9 @@ class Continuous:
         them rather than starting them over, so a long completion is trained late but is
         not starved by the short ones finishing first (rollout.in_flight <= max_lag keeps
         the groups due at a step within one batch)."""
-        first = self.stream.started()
-        due = []
-        for gid, g in self.groups.items():
-            versions = [first[i] for i in g.requests if i in first]
-            versions += [int(c.versions.min()) for c in g.done.values() if c.versions.size]
-            if versions and min(versions) <= step - self.cfg.max_lag:
-                due.append((min(versions), gid))
-        return [gid for _, gid in sorted(due)[:self.per]]
+        started = self.stream.started()
+        due = sorted((g.oldest(started), gid) for gid, g in self.groups.items())
+        return [gid for oldest, gid in due if oldest <= step - self.cfg.max_lag][:self.per]
 
     def _can_batch(self, step: int) -> bool:
         """A batch is ready: `per` groups ready, the ones due among them."""
