@@ -24,8 +24,13 @@ def test_kl_estimators(kind):
     ratio = np.exp(REF - LOGP)  # pi_ref / pi
     expected = {"k1": -np.log(ratio), "k2": 0.5 * np.log(ratio) ** 2,
                 "k3": ratio - 1 - np.log(ratio)}[kind]
-    np.testing.assert_allclose(kl_estimate(jnp.asarray(LOGP), jnp.asarray(REF), kind), expected,
+    np.testing.assert_allclose(kl_estimate(jnp.asarray(LOGP), jnp.asarray(REF), kind,
+                                           jnp.asarray(MASK)), expected * MASK,
                                rtol=1e-5, atol=1e-6)
+    # a masked slot holding a log-prob exp() cannot take gives 0 (not inf x 0 = NaN)
+    far = jnp.asarray(np.where(MASK > 0, LOGP, -1e4), jnp.float32)
+    out = kl_estimate(far, jnp.asarray(REF), kind, jnp.asarray(MASK))
+    np.testing.assert_allclose(out, expected * MASK, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",

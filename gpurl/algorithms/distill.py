@@ -210,7 +210,7 @@ def opd_prepare(cfg: OPDConfig, ctx: RLContext, x: RLInputs,
         return out, metrics, carry
     teacher_PxGxN = group_logprobs(x.teacher.spec, x.teacher.params, batch, temp, replay=False)[0]
     mask_PxGxN = batch["comp_mask"]
-    signal_PxGxN = (teacher_PxGxN - old) * mask_PxGxN
+    signal_PxGxN = jnp.where(mask_PxGxN > 0, teacher_PxGxN - old, 0.0)
     out["advantages"] = cfg.distill_weight * signal_PxGxN + task_PxG[..., None] * mask_PxGxN
     metrics["distill/reverse_kl"] = -signal_PxGxN.sum() / jnp.maximum(mask_PxGxN.sum(), 1.0)
     return out, metrics, carry

@@ -92,13 +92,18 @@ def _packed_states(spec: Any, params: Any, batch: Batch, replay: bool) -> jax.Ar
 def _unpack(values_BxZ: jax.Array, batch: Batch, start: str, width: int,
             lengths: jax.Array) -> jax.Array:
     """P x G x `width` numbers of each completion from packed B x Z ones: column
-    `start` + j of its row for j < `lengths` (0 past them)."""
-    p, g = batch["pack/row"].shape
+    `start` + j of its row for j < `lengths`, and 0 past them and for a completion whose
+    row is -1 (in another micro-batch, `gpurl.data.packing.micro_batch`): nothing is read
+    from slots that belong to other completions, so no value but 0 ever stands in for
+    one (an unrelated slot's log-prob could overflow exp() in a ratio or KL)."""
+    row_PxG = batch["pack/row"]
+    p, g = row_PxG.shape
     j = jnp.arange(width, dtype=jnp.int32)
     col_PxGxN = jnp.minimum(batch[start][..., None] + j, values_BxZ.shape[1] - 1)
-    flat = (batch["pack/row"][..., None] * values_BxZ.shape[1] + col_PxGxN).reshape(-1)
+    flat = (jnp.maximum(row_PxG, 0)[..., None] * values_BxZ.shape[1] + col_PxGxN).reshape(-1)
     out = values_BxZ.reshape(-1)[flat].reshape(p, g, width)
-    return jnp.where(j < lengths[..., None], out, 0.0)
+    here_PxGxN = (row_PxG >= 0)[..., None] & (j < lengths[..., None])
+    return jnp.where(here_PxGxN, out, 0.0)
 
 
 def state_values(fn: Callable[[jax.Array], jax.Array], states: jax.Array,

@@ -75,8 +75,8 @@ def prepare(cfg: GRPOConfig, ctx: RLContext, x: RLInputs, old: jax.Array | None 
         metrics["reward/model"] = scores_B.mean()
     if x.ref_params is not None and cfg.kl_in_reward:  # from the trainer's own log-probs
         mask_BxN = batch["comp_mask"].reshape(-1, batch["comp_mask"].shape[-1])
-        kl_B = (kl_estimate(old, out["ref_logprobs"], cfg.kl_estimator).reshape(mask_BxN.shape)
-                * mask_BxN).sum(-1)
+        kl_B = kl_estimate(old.reshape(mask_BxN.shape), out["ref_logprobs"].reshape(mask_BxN.shape),
+                           cfg.kl_estimator, mask_BxN).sum(-1)
         rewards_B = rewards_B - cfg.beta * kl_B
         trained = jnp.maximum((mask_BxN.sum(-1) > 0).sum(), 1)  # not dynamic sampling's fillers
         metrics["kl/rollout"] = kl_B.sum() / trained

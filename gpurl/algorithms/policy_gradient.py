@@ -38,11 +38,22 @@ def _k3(log_r: jax.Array) -> jax.Array:
     return jnp.exp(log_r) - 1.0 - log_r
 
 
-def kl_estimate(logp_BxT: jax.Array, ref_logp_BxT: jax.Array, kind: str) -> jax.Array:
+def kl_estimate(logp_BxT: jax.Array, ref_logp_BxT: jax.Array, kind: str,
+                mask_BxT: jax.Array) -> jax.Array:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020,
     "Approximating KL Divergence"): with log r = ref_logp - logp,
-    k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r (unbiased, always >= 0)."""
-    return KL_ESTIMATORS[kind](ref_logp_BxT - logp_BxT)
+    k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r (unbiased, always >= 0);
+    0 where `mask_BxT` is 0 (log r is set to 0 there before any exp)."""
+    return KL_ESTIMATORS[kind](masked_log_ratio(ref_logp_BxT, logp_BxT, mask_BxT))
+
+
+def masked_log_ratio(num_BxT: jax.Array, den_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
+    """num - den on the masked tokens and exactly 0 elsewhere, selected (`where`), not
+    multiplied: a masked slot may hold any value (a padding slot's log-prob at a low
+    temperature is in the thousands), and exp() of it times a mask of 0 would be
+    inf x 0 = NaN in the value and in every gradient. Every exp() of a log-ratio in the
+    RL math reads it through here."""
+    return jnp.where(mask_BxT > 0, num_BxT - den_BxT, 0.0)
 
 
 # ---------------------------------------------------------------- loss aggregation
@@ -166,7 +177,7 @@ def _token_log_ratio(log_r_BxT, mask_BxT):
 
 @BEHAVIOUR_RATIOS.register(TISLevel.SEQUENCE)
 def _sequence_log_ratio(log_r_BxT, mask_BxT):
-    return jnp.broadcast_to((log_r_BxT * mask_BxT).sum(-1, keepdims=True), log_r_BxT.shape)
+    return jnp.broadcast_to(log_r_BxT.sum(-1, keepdims=True), log_r_BxT.shape)
 
 
 def behaviour_weights(old_BxT: jax.Array, sampler_BxT: jax.Array, mask_BxT: jax.Array,
@@ -185,7 +196,8 @@ def behaviour_weights(old_BxT: jax.Array, sampler_BxT: jax.Array, mask_BxT: jax.
     token-level rollout correction). Logged: the fraction of tokens whose weight
     was truncated, the mean weight, and the effective sample size (sum w)^2 / (n sum w^2)
     of the n tokens (1 when every weight is equal)."""
-    raw_BxT = jnp.exp(BEHAVIOUR_RATIOS[level]((old_BxT - sampler_BxT) * mask_BxT, mask_BxT))
+    raw_BxT = jnp.exp(BEHAVIOUR_RATIOS[level](masked_log_ratio(old_BxT, sampler_BxT, mask_BxT),
+                                              mask_BxT))
     weights_BxT = jnp.minimum(raw_BxT, cap) * mask_BxT
     n = jnp.maximum(mask_BxT.sum(), 1.0)
     total = weights_BxT.sum()
@@ -225,7 +237,7 @@ def clipped_objective(ratio: jax.Array, adv: jax.Array, eps_low: float, eps_high
 def sequence_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
     """GSPO's length-normalized sequence importance ratio (Zheng et al. 2025, eq. 7):
     s_i = exp(mean over the sequence's tokens of (logp - old_logp)); B."""
-    diff_B = ((logp_BxT - old_logp_BxT) * mask_BxT).sum(-1)
+    diff_B = masked_log_ratio(logp_BxT, old_logp_BxT, mask_BxT).sum(-1)
     return jnp.exp(diff_B / jnp.maximum(mask_BxT.sum(-1), 1.0))
 
 
@@ -236,7 +248,7 @@ RATIOS: Choices[Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = Choice
 
 @RATIOS.register(ImportanceRatio.TOKEN)
 def _token_ratio(logp_BxT, old_BxT, mask_BxT):
-    return jnp.exp(logp_BxT - old_BxT)
+    return jnp.exp(masked_log_ratio(logp_BxT, old_BxT, mask_BxT))
 
 
 @RATIOS.register(ImportanceRatio.SEQUENCE)
@@ -269,7 +281,7 @@ def policy_loss(cfg: PolicyGradientConfig, logp_BxT: jax.Array, batch: Batch, no
         per_token = per_token * jax.lax.stop_gradient(batch["is_weights"])
     metrics = {}
     if cfg.beta > 0 and not cfg.kl_in_reward:
-        kl_BxT = kl_estimate(logp_BxT, batch["ref_logprobs"], cfg.kl_estimator)
+        kl_BxT = kl_estimate(logp_BxT, batch["ref_logprobs"], cfg.kl_estimator, mask_BxT)
         per_token = per_token + cfg.beta * kl_BxT
         metrics["kl"] = (kl_BxT * mask_BxT).sum() / norm["tokens"]
     loss = aggregate(per_token, mask_BxT, cfg.loss_agg, norm["tokens"], norm["seqs"], max_tokens)

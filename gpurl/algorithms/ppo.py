@@ -129,7 +129,7 @@ def prepare(cfg: PPOConfig, ctx: RLContext, x: RLInputs) -> tuple[Batch, dict, d
         ref_BxN = group_logprobs(spec.policy, x.ref_params, batch, ctx.temperature,
                                  replay=False)[0].reshape(-1, n)
         out["ref_logprobs"] = ref_BxN.reshape(p, g, n)
-        kl_BxN = kl_estimate(old_BxN, ref_BxN, cfg.kl_estimator) * mask_BxN
+        kl_BxN = kl_estimate(old_BxN, ref_BxN, cfg.kl_estimator, mask_BxN)
     if ctx.reward_model is not None:
         rm_B = reward_model_scores(ctx.reward_model, x.reward_model, batch)
         scores_B = scores_B + rm_B

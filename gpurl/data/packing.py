@@ -274,13 +274,14 @@ def micro_batches(batch: dict[str, jax.Array], num_micro: int
 
 def micro_batch(rows: dict[str, jax.Array], whole: dict[str, jax.Array], m: jax.Array,
                 num_micro: int) -> dict[str, jax.Array]:
-    """Micro-batch m of a packed batch: its rows, each completion's row within them, and
-    the completions of other micro-batches masked out of the loss (`comp_mask` 0; a
+    """Micro-batch m of a packed batch: its rows, each completion's row within them (-1
+    for the completions of other micro-batches, which `gpurl.algorithms.forward` then
+    reads as 0), and those completions masked out of the loss (`comp_mask` 0; a
     preference batch's `pair_mask` too: its groups are whole, `plan(whole_groups=True)`)."""
     out = {**whole, **rows}
     row_PxG = whole["pack/row"]
     here_PxG = (row_PxG % num_micro == m).astype(jnp.float32)
-    out["pack/row"] = row_PxG // num_micro
+    out["pack/row"] = jnp.where(here_PxG > 0, row_PxG // num_micro, -1)
     out["comp_mask"] = whole["comp_mask"] * here_PxG[..., None]
     if "pair_mask" in whole:
         out["pair_mask"] = whole["pair_mask"] * here_PxG[:, 0]
