@@ -30,7 +30,7 @@ from gpurl.models.gguf import load_gguf_params, model_config_from_gguf
 from gpurl.models.hf import load_hf_params, model_config_from_hf
 from gpurl.rollout.programs import Rollout
 from gpurl.rollout.static import StaticSampler
-from gpurl.rollout.sampling import allowed_logits
+from gpurl.rollout.sampling import allowed_logits, sample, sample_rows
 
 MESH = rollout_mesh(MeshConfig(rollout_tp=2))  # data=2, tp=2 over the 4 host devices
 ONE_DEVICE = rollout_mesh(MeshConfig(rollout_tp=1), devices=jax.devices()[:1])
@@ -257,11 +257,22 @@ def _max_diff(ours: list, ref: list) -> float:
 @pytest.mark.parametrize("setting", ["greedy", pytest.param("nucleus", marks=pytest.mark.slow),
                                      pytest.param("top_k", marks=pytest.mark.slow)])
 def test_logprobs_match_training_forward(gemma2: Tiny, setting: str) -> None:
-    """log_softmax(logits / temperature) before truncation (log_softmax(logits) when greedy):
-    what token_logprobs gives the policy loss."""
+    """The log-prob of the distribution each token was drawn from (the behaviour policy):
+    the training forward's log_softmax(logits / temperature) (log_softmax(logits) when
+    greedy), restricted to the top-k / top-p set and renormalized there when the setting
+    truncates (NumPy)."""
     rollout = gemma2.sampler(setting).generate(gemma2.params, PROMPTS, SEEDS)
-    temperature = SAMPLING[setting].temperature
-    ours, ref = _training_logprobs(gemma2.spec, gemma2.params, PROMPTS, rollout, temperature)
+    cfg = SAMPLING[setting]
+    ours, full = _training_logprobs(gemma2.spec, gemma2.params, PROMPTS, rollout, cfg.temperature)
+    ref = full
+    if cfg.temperature and (cfg.top_k or cfg.top_p < 1.0):
+        tokens, lengths, _ = _rows(rollout, len(PROMPTS))
+        ref = [np.zeros(n) for n in lengths]
+        for i, j, scaled_V, allowed in _drawn(gemma2, tokens, lengths, cfg.temperature):
+            kept = scaled_V[sorted(allowed)].astype(np.float64)
+            ref[i][j] = scaled_V[tokens[i, j]] - kept.max() - np.log(np.exp(kept - kept.max()).sum())
+        # the truncation's mass S < 1 is what the two differ by: log S per token
+        assert min(float((r - f).min()) for r, f in zip(ref, full)) > 1e-3
     diff = _max_diff(ours, ref)
     print(f"\ngemma2 {setting}: max |logprob diff| = {diff:.2e}")
     assert diff < LOGPROB_TOL
@@ -310,22 +321,56 @@ def test_allowed_logits_match_numpy(top_k: int, top_p: float) -> None:
         assert set(np.flatnonzero(kept).tolist()) == _allowed_np(row, top_k, top_p)
 
 
+def _drawn(tiny: Tiny, tokens: np.ndarray, lengths: np.ndarray, temperature: float):
+    """(row, completion token index, the training forward's logits / temperature before
+    it, its top-k / top-p set in NumPy) of every drawn token."""
+    cfg = next(c for c in SAMPLING.values() if c.temperature == temperature)
+    batch = _reference_batch(PROMPTS, tokens, lengths)
+    apply, _ = _jitted(tiny.spec)
+    logits_BxTxV = np.asarray(apply(tiny.params, batch["tokens"], batch["positions"],
+                                    batch["segment_ids"]))
+    for i, prompt in enumerate(PROMPTS):
+        for j in range(lengths[i]):
+            scaled_V = logits_BxTxV[i, len(prompt) - 1 + j] / temperature
+            yield i, j, scaled_V, _allowed_np(scaled_V, cfg.top_k, cfg.top_p)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.5), (40, 0.9), (0, 1.0)])
+def test_recorded_logprob_is_the_truncated_distributions(top_k: int, top_p: float) -> None:
+    """Both samplers record log p(token) under the distribution they drew from:
+    softmax(logits / T) over the top-k / top-p set, renormalized there (NumPy); greedy
+    rows of `sample_rows` under the full softmax(logits)."""
+    rng = np.random.default_rng(7 + top_k)
+    temperature = 0.8
+    logits_BxV = rng.normal(0.0, 3.0, (16, 64)).astype(np.float32)
+    keys_B = jax.random.split(jax.random.key(top_k), 16)
+    greedy_B = np.arange(16) % 4 == 0
+    fixed = sample(jnp.asarray(logits_BxV), keys_B, temperature, top_k, top_p)
+    rows = sample_rows(jnp.asarray(logits_BxV), keys_B,
+                       jnp.asarray(np.where(greedy_B, 0.0, temperature), jnp.float32),
+                       jnp.full(16, top_k, jnp.int32), jnp.full(16, top_p, jnp.float32),
+                       True, top_k > 0 or top_p < 1.0)
+    for name, (tokens_B, logprobs_B) in {"sample": fixed, "sample_rows": rows}.items():
+        for b, (token, logprob) in enumerate(zip(np.asarray(tokens_B), np.asarray(logprobs_B))):
+            if name == "sample_rows" and greedy_B[b]:
+                probs, allowed = _softmax64(logits_BxV[b]), set(range(64))
+            else:
+                scaled = logits_BxV[b] / temperature
+                probs, allowed = _softmax64(scaled), _allowed_np(scaled, top_k, top_p)
+            assert token in allowed, (name, b)
+            expected = np.log(probs[token] / probs[sorted(allowed)].sum())
+            np.testing.assert_allclose(logprob, expected, rtol=0, atol=1e-5, err_msg=f"{name} {b}")
+
+
 @pytest.mark.parametrize("setting", ["top_k", "nucleus"])
 def test_sampled_tokens_lie_in_allowed_set(gemma2: Tiny, setting: str) -> None:
     cfg = SAMPLING[setting]
     tokens, lengths, _ = _rows(gemma2.sampler(setting).generate(gemma2.params, PROMPTS, SEEDS), 4)
-    batch = _reference_batch(PROMPTS, tokens, lengths)
-    apply, _ = _jitted(gemma2.spec)
-    logits_BxTxV = np.asarray(apply(gemma2.params, batch["tokens"], batch["positions"],
-                                    batch["segment_ids"]))
     log_all_in_set_untruncated, not_top1 = 0.0, 0
-    for i, prompt in enumerate(PROMPTS):
-        for j in range(lengths[i]):
-            scaled_V = logits_BxTxV[i, len(prompt) - 1 + j] / cfg.temperature
-            allowed = _allowed_np(scaled_V, cfg.top_k, cfg.top_p)
-            assert tokens[i, j] in allowed, (i, j, len(allowed))
-            log_all_in_set_untruncated += np.log(_softmax64(scaled_V)[sorted(allowed)].sum())
-            not_top1 += tokens[i, j] != scaled_V.argmax()
+    for i, j, scaled_V, allowed in _drawn(gemma2, tokens, lengths, cfg.temperature):
+        assert tokens[i, j] in allowed, (i, j, len(allowed))
+        log_all_in_set_untruncated += np.log(_softmax64(scaled_V)[sorted(allowed)].sum())
+        not_top1 += tokens[i, j] != scaled_V.argmax()
     # Power: sampling without truncation would have kept every draw inside its set with
     # chance exp(log_all_in_set_untruncated); and the draws are not all the argmax.
     print(f"\n{setting}: log P(untruncated draws all in set) = {log_all_in_set_untruncated:.1f}")

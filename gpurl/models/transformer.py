@@ -471,14 +471,23 @@ class Transformer(nnx.Module):
         return layer
 
     def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
-        """Output logits of final-norm hidden states (any leading shape)."""
+        """Output logits of final-norm hidden states (any leading shape), float32 in every
+        compute dtype: the matmul reads its operands in the compute dtype and accumulates
+        and writes float32 (`preferred_element_type`), so a bfloat16 run's logits carry no
+        bfloat16 rounding (0.06-0.125 at magnitudes 10-30, which the log-probs, the
+        ratios and the importance weights of RL would read as a policy change; MiniMax-M1,
+        2025, traced most of its sampler/trainer mismatch to such a head). Every head
+        runs through here: the trainer's chunks, the sampler, a teacher."""
+        hidden = hidden_BxTxD.astype(self.dtype)
         if self.cfg.tie_embeddings:
-            logits = jnp.einsum("...d,vd->...v", hidden_BxTxD, self.embed[...].astype(self.dtype))
+            logits = jnp.einsum("...d,vd->...v", hidden, self.embed[...].astype(self.dtype),
+                                preferred_element_type=jnp.float32)
         else:
-            logits = hidden_BxTxD @ self.lm_head[...].astype(self.dtype)
+            logits = jnp.einsum("...d,dv->...v", hidden, self.lm_head[...].astype(self.dtype),
+                                preferred_element_type=jnp.float32)
         if self.cfg.final_softcap is not None:
             cap = self.cfg.final_softcap
-            logits = cap * jnp.tanh(logits.astype(jnp.float32) / cap)
+            logits = cap * jnp.tanh(logits / cap)
         return logits
 
 
