@@ -89,6 +89,19 @@ def test_a_completion_longer_than_the_budgets_row_gets_a_row_of_its_own_length()
     _check_plan(pl, plen, clen, 8, 300)
 
 
+def test_groups_of_1024_completions_and_more_keep_their_own_prefix():
+    """Segment ids are group x BRANCHES + branch (1024): a group's 1024th completion once
+    took the id of the next group's prefix. A group of BRANCHES completions or more is
+    split into chunks of at most BRANCHES - 1, each behind its own copy of the prefix."""
+    for g in (BRANCHES - 1, BRANCHES, BRANCHES + 100):
+        plen, clen = np.asarray([3, 4]), np.full((2, g), 1)
+        # rows as long as a whole group: nothing but the branch count splits it
+        pl = packing.plan(plen, clen, 4, 1, budget=1 << 16, shards=1, whole_groups=True)
+        _check_plan(pl, plen, clen, 4, 1)
+        rows = [set(r[r % BRANCHES > 0].tolist()) for r in pl.segments]
+        assert sum(len(r) for r in rows) == 2 * g  # one branch id per completion
+
+
 def test_row_shapes_stay_few_over_random_length_mixes():
     """20 steps of random heavy-tailed mixes (Pareto lengths, 1 to 512 tokens) compile few
     train-step shapes (R, L, H, M): row counts from the three-bit buckets, two row lengths."""

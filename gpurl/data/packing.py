@@ -14,8 +14,9 @@ branch's first state predicts its first token without a state shared across bran
 
 Rows are filled by first-fit decreasing over whole groups: groups in order of size (prefix
 plus branches), each into the first row with room, a new row when none has it. A group
-longer than a row is split into chunks of branches, each behind its own copy of the
-prefix; a single branch longer than a row makes the rows longer (the row length is chosen
+longer than a row (or of `BRANCHES` completions or more) is split into chunks of
+branches, each behind its own copy of the prefix; a single branch longer than a row makes
+the rows longer (the row length is chosen
 per batch, never refused). The row length Z is the power of two, at least the longest
 branch with its prefix, that minimizes the estimated work (slots, plus attention's share
 that grows with Z, `_cost`); the rows per micro-batch and per data shard come from the
@@ -99,14 +100,16 @@ def _group_sizes(plen_P: np.ndarray, clen_PxG: np.ndarray) -> np.ndarray:
 
 
 def _chunks(plen_P: np.ndarray, clen_PxG: np.ndarray, length: int) -> list[tuple[int, list[int]]]:
-    """(prompt, its completions) items of at most `length` slots: whole groups, and groups
-    too long split into consecutive branches behind their own prefix."""
+    """(prompt, its completions) items of at most `length` slots and BRANCHES - 1
+    completions: whole groups, and groups too long (or of BRANCHES completions or more,
+    whose branch ids would reach the next group's prefix) split into consecutive branches
+    behind their own prefix."""
     items = []
     for p in range(len(plen_P)):
         prefix, branches = int(plen_P[p]) - 1, []
         used = prefix
         for g, c in enumerate(clen_PxG[p]):
-            if branches and used + c + 1 > length:
+            if branches and (used + c + 1 > length or len(branches) == BRANCHES - 1):
                 items.append((p, branches))
                 branches, used = [], prefix
             branches.append(g)
@@ -142,7 +145,7 @@ def plan(prompt_lengths_P: np.ndarray, completion_lengths_PxG: np.ndarray, width
     shard. `attention_cost`: attention's work per slot and unit of row length relative
     to the rest of a slot's work (`attention_cost(d_model)`, 1 / (12 d_model): Z/2 keys x
     4 H E flops against ~24 d_model^2), which the row length's choice weighs. `whole_groups`: rows at least
-    as long as the longest group, so no group is split (a loss over a whole group, such
+    as long as the longest group, so no group (of fewer than BRANCHES completions) is split (a loss over a whole group, such
     as a preference pair's, then sees all of it in one micro-batch)."""
     plen_P = np.asarray(prompt_lengths_P, np.int64)
     clen_PxG = np.asarray(completion_lengths_PxG, np.int64)
