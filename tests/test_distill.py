@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY_MODEL, make_config, tiny_teacher
+from conftest import TINY_MODEL, algo_config as registry_config, make_config, tiny_teacher
 from gpurl.algorithms import distill
 from gpurl.config import ConfigError
 from gpurl.kernels.logprob import chunked_pair_head
@@ -363,3 +363,27 @@ def test_on_policy_distillation_on_multi_turn_trajectories(tmp_path, sharp_teach
     for x in steps:
         assert np.isfinite([x["loss"], x["grad_norm"]]).all() and x["distill/reverse_kl"] > 0
         assert x["env/observation_tokens"] > 0 and 1 <= x["env/turns"] <= 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sft", "kd"])
+def test_perplexity_is_exp_of_the_unsmoothed_nll(tmp_path, own_teacher, name):
+    """`eval/perplexity` is exp of the held-out tokens' mean NLL (the training forward's
+    full-vocabulary log-probs), however algo.label_smoothing smooths the loss (it once
+    reported exp of the smoothed loss)."""
+    from gpurl.algorithms.forward import token_logprobs
+    from gpurl.train.loop import build
+
+    cfg = _config(tmp_path, "kd", own_teacher, label_smoothing=0.3, ce_weight=1.0)
+    if name == "sft":
+        cfg = dataclasses.replace(cfg, algo=registry_config("sft", label_smoothing=0.3))
+    _, setup, stepper = build(cfg)
+    params = setup.init().params
+    got = stepper.evaluate(params)
+    rows = stepper.evals
+    batch = {"tokens": rows.tokens, "positions": rows.positions, "segment_ids": rows.segment_ids}
+    logp = np.asarray(jax.jit(lambda p, b: token_logprobs(setup.spec.apply, p, b))(params, batch))
+    mask = rows.loss_mask[:, 1:]
+    nll = -(logp * mask).sum() / mask.sum()
+    np.testing.assert_allclose(got["eval/perplexity"], np.exp(nll), rtol=1e-5)
+    assert got["eval/loss"] > got["eval/nll"] + 0.05  # the smoothing binds: loss is not the NLL

@@ -271,8 +271,8 @@ def kd_objective(cfg: KDConfig, rollout: RolloutConfig) -> Objective:
 
     def stats(logits: tuple[jax.Array, jax.Array], targets: jax.Array) -> tuple[jax.Array, ...]:
         div = measure(*_log_probs(logits, tau), beta) * tau**2
-        nll, correct = token_nll(logits[0], targets, cfg.label_smoothing)
-        return div, nll, correct.astype(jnp.float32)
+        ce, nll, correct = token_nll(logits[0], targets, cfg.label_smoothing)
+        return div, ce, nll, correct.astype(jnp.float32)
 
     def loss(spec: Any, params: Any, batch: Batch, norm: jax.Array, teacher: Any = None):
         inputs = (batch["tokens"], batch["positions"], batch["segment_ids"])
@@ -280,10 +280,10 @@ def kd_objective(cfg: KDConfig, rollout: RolloutConfig) -> Objective:
         with moe.collect():  # the teacher's router statistics are not the student's
             teacher_BxTxD = jax.lax.stop_gradient(teacher.spec.hidden(teacher.params, *inputs)[0])
         targets_BxT, mask_BxT = shifted_targets(batch)
-        div_BxT, nll_BxT, correct_BxT = chunked_pair_head(
+        div_BxT, ce_BxT, nll_BxT, correct_BxT = chunked_pair_head(
             spec.logits, params, hidden_BxTxD[:, :-1], teacher.spec.logits, teacher.params,
             teacher_BxTxD[:, :-1], targets_BxT, stats)
-        loss_sum = (((1.0 - weight) * div_BxT + weight * nll_BxT) * mask_BxT).sum()
+        loss_sum = (((1.0 - weight) * div_BxT + weight * ce_BxT) * mask_BxT).sum()
         metrics = {"loss": loss_sum / norm, name: (div_BxT * mask_BxT).sum() / norm,
                    "nll": (nll_BxT * mask_BxT).sum() / norm,
                    "token_accuracy": (correct_BxT * mask_BxT).sum() / norm,

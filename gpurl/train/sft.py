@@ -68,7 +68,7 @@ class SFTStepper(Stepper):
                 totals[k] = totals.get(k, 0.0) + float(v)
         tokens = max(totals.pop("tokens", 0.0), 1.0)
         out = {f"eval/{k}": v / tokens for k, v in totals.items()}
-        # the data's cross-entropy: the loss of SFT, a part of logit distillation's
-        nll = out.get("eval/nll", out.get("eval/loss", 0.0))
-        out["eval/perplexity"] = float(np.exp(min(nll, 50.0)))
+        # exp of the data's unsmoothed NLL (the loss is label-smoothed when
+        # algo.label_smoothing > 0, and a part of logit distillation's)
+        out["eval/perplexity"] = float(np.exp(min(out.get("eval/nll", 0.0), 50.0)))
         return out
