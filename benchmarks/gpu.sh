@@ -101,6 +101,8 @@ if (g := load("grpo_step")) is not None:
     print(f"| main job, {g.get('steps', '?')} steps: GRPO step (median) | {m['step']} s | |")
     for p in ("rollout", "reward", "train", "sync"):
         print(f"| GRPO {p} | {m[p]} s ({s[p]:.0%}) | |")
+    for k, v in g.get("mismatch", {}).items():  # the sampler against the trainer, bf16
+        print(f"| main job {k} (median) | {v:.3g} | |")
 else:
     print("| GRPO step | not measured (see grpo_step.log) | |")
 EOF

@@ -5,7 +5,8 @@ Runs `gpurl train` (the main job by default: GRPO on Gemma 3 270M, 4 prompts x G
 and intermediate checkpoints off, then reads the phase times gpurl logs in
 metrics.jsonl (`time/rollout_s`, `time/reward_s`, `time/train_s`, `time/sync_s`,
 `time/step_s`) and reports their medians over the steps after the first `--warmup`
-(the first step compiles). Peak memory comes from the run's summary.json.
+(the first step compiles). Peak memory comes from the run's summary.json; the
+sampler/trainer mismatch (`mismatch/*`, medians over the same steps) comes along.
 
     python benchmarks/grpo_step.py --json grpo.json                     # the main job
     python benchmarks/grpo_step.py --json grpo.json -- model=gemma2b train.batch_size=16
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 PHASES = ("rollout", "reward", "train", "sync", "step")
+MISMATCH = ("mismatch/logprob_abs_mean", "mismatch/logprob_abs_max", "mismatch/k3_kl",
+            "mismatch/over_threshold")
 # Evaluation and per-step checkpoints off: only training steps run.
 COMMON = ["algo=grpo", "data.num_eval=0", "train.eval_every=0", "train.checkpoint_every=0",
           "logger=console"]
@@ -77,7 +80,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "first_step_s": round(every[0]["time/step_s"], 2),
         "wall_s": round(wall, 1),
         **{k: v for k, v in summary.items() if k.startswith("peak_")},
-        "per_step": [{p: r[f"time/{p}_s"] for p in PHASES} for r in steps]}
+        "per_step": [{p: r[f"time/{p}_s"] for p in PHASES} for r in steps],
+        # the sampler against the trainer (bf16 on a GPU): medians over the timed steps
+        "mismatch": {k: statistics.median(r[k] for r in steps) for k in MISMATCH
+                     if all(k in r for r in steps)}}
     print("| phase | median s | share of step |")
     print("| --- | ---: | ---: |")
     for p in PHASES:
@@ -85,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"| {p} | {medians[p]} | {share} |")
     print("peak memory: " + ", ".join(f"{k} {v}" for k, v in summary.items()
                                       if k.startswith("peak_")))
+    print("sampler vs trainer: " + ", ".join(f"{k} {v:.3g}" for k, v in result["mismatch"].items()))
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")
 

@@ -11,7 +11,7 @@ beside the same decoder with a dense MLP of width 512 (same active parameters), 
 weights, fp32 on CPU (the compute dtype gpurl picks there), interleaved, median of the
 timed steps after one warm-up. `replay`: `gpurl train algo=grpo model=tiny_moe` in bf16
 with model.moe.replay_routing off and on (same seed, so the same first rollout), the
-trainer-minus-sampler log-prob gap of the sampled tokens (`sampler/logprob_gap`) and the
+trainer-minus-sampler log-prob gap of the sampled tokens (`mismatch/logprob_abs_mean`) and the
 share of replayed expert choices the trainer's router would have made otherwise
 (`moe/replay_flips`), per step.
 """
@@ -116,9 +116,9 @@ def run_replay(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         for replay in (False, True):
             for r in _grpo(replay, args.steps, Path(tmp) / str(replay)):
-                if "sampler/logprob_gap" in r:
+                if "mismatch/logprob_abs_mean" in r:
                     rows.append({"replay": replay, "step": r["step"],
-                                 "gap": r["sampler/logprob_gap"],
+                                 "gap": r["mismatch/logprob_abs_mean"],
                                  "flips": r.get("moe/replay_flips")})
     print("\n| routing replay | step | mean abs(trainer - sampler log-prob) | replayed choices the trainer would flip |")
     print("| --- | ---: | ---: | ---: |")

@@ -37,6 +37,7 @@ that shard's rows.
     I  entries of a block table: the blocks one row may hold
     O  experts of a mixture-of-experts layer (a token's top-k of them has no letter: those
        arrays are named without a suffix, their shape in the docstring)
+    M  micro-batches of a train step
 """
 
 LETTERS = {
@@ -47,5 +48,5 @@ LETTERS = {
     "W": "prompt width", "C": "chunk tokens",
     "J": "chunks", "X": "examples", "Z": "concatenated tokens",
     "A": "data shards", "Y": "KV pool blocks", "U": "tokens per KV block", "I": "block-table entries",
-    "O": "experts",
+    "O": "experts", "M": "micro-batches",
 }

@@ -69,6 +69,10 @@ def test_eval_command_composes():
     ("optim.decay=linear", "optim.decay='linear' is not valid; use one of: cosine, constant."),
     ("model.num_kv_heads=3", "model.num_heads=4 is not a multiple of model.num_kv_heads=3"),
     ("mesh.train_rules.embed=[fsdpp]", "mesh.train_rules names unknown mesh axes ['fsdpp']"),
+    ("algo.ratio_mask=tokens", "algo.ratio_mask='tokens' is not valid; use one of: off, token, "
+                               "sequence, geometric."),
+    ("algo.ratio_mask_low=1.5", "algo.ratio_mask_low=1.5 and algo.ratio_mask_high=5.0 must "
+                                "bracket 1"),
 ])
 def test_bad_overrides_fail_with_one_sentence(override, expected):
     with pytest.raises(ConfigError, match=None) as info:

@@ -90,6 +90,7 @@ def test_continuous_batches_hold_no_token_older_than_the_bound(tmp_path):
                                        **LONG_TAIL), 5)
     _check_lags(metrics, trained, 1)
     assert any(m["off_policy/weight_mean"] != 1.0 for m in metrics[1:])
+    assert all(m["mismatch/logprob_abs_max"] > 0 for m in metrics[1:])  # stale tokens, measured
     assert [m["rollout/restarted"] for m in metrics] == [0.0] * 5
 
 

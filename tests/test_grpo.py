@@ -37,6 +37,11 @@ def grpo_config(tmp_path, name: str, steps: int, run: str | None = None, model=N
         rewards=["test_grpo:printable"])
 
 
+# the sampler/trainer mismatch, in every RL step's metrics (`gpurl.algorithms.behaviour`)
+MISMATCH = ("mismatch/logprob_abs_mean", "mismatch/logprob_abs_max", "mismatch/k3_kl",
+            "mismatch/over_threshold")
+
+
 def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -63,8 +68,10 @@ def test_mean_reward_rises(tmp_path, name):
     # (the MoE model's reward climbs later: 0.37 -> 0.76, pass@1 0 -> 0.25 in 30 steps)
     assert summary["eval/pass@1"] > summary["start"]["eval/pass@1"] + (0.2 if "moe" in name else 0.3)
     for key in ("loss", "grad_norm", "time/rollout_s", "time/reward_s", "time/train_s",
-                "completion/length", "groups/all_equal"):
+                "completion/length", "groups/all_equal", *MISMATCH):
         assert key in rows[-1]
+    if name != "grpo_moe":  # one model, fp32: sampler and trainer agree to float rounding
+        assert max(r["mismatch/logprob_abs_max"] for r in rows) < 1e-3
     if name == "grpo":
         # `gpurl eval` on the run's checkpoint reproduces the loop's final eval exactly.
         figures = evaluate(EvalConfig(checkpoint=str(tmp_path / name), data=cfg.data,

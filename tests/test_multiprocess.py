@@ -149,7 +149,7 @@ def test_continuous_rollouts_over_two_processes_take_each_version_together(tmp_p
     a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
     trained = [r for r in a if "loss" in r]
     assert [r["rollout/version"] for r in trained] == [0.0, 1.0, 2.0]
-    assert all(r["off_policy/lag_max"] <= 1 for r in trained)
+    assert all(r["off_policy/lag_max"] <= 1 and "mismatch/logprob_abs_max" in r for r in trained)
     for x, y in zip(a, b):  # all but times, rates and memory
         assert _figures(x) == _figures(y)
     counted = sum(int(x) for f in (tmp_path / "count-a").iterdir() for x in f.read_text().split())

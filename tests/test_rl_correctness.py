@@ -136,7 +136,7 @@ def test_a_kl_penalty_in_the_reward_is_measured_from_the_trainers_logprobs(tiny_
 def test_behaviour_weights_match_a_numpy_transcription():
     """Decoupled PPO's truncated behaviour weight min(pi_old / pi_sampler, C) per token and
     its metrics (clip fraction, mean, effective sample size) over the masked tokens."""
-    from gpurl.algorithms.policy_gradient import behaviour_weights
+    from gpurl.algorithms.behaviour import behaviour_weights
 
     rng = np.random.default_rng(2)
     old = rng.normal(-2, 0.5, (6, 5)).astype(np.float32)
@@ -159,6 +159,78 @@ def test_behaviour_weights_match_a_numpy_transcription():
     np.testing.assert_allclose(w, sequence, rtol=1e-5)
     assert len({tuple(np.unique(row[m > 0])) for row, m in zip(np.asarray(w), mask)}) > 1
     np.testing.assert_allclose(metrics["off_policy/weight_mean"], sequence[on].mean(), rtol=1e-5)
+
+
+def _np_read(log_r: np.ndarray, mask: np.ndarray, level: str) -> np.ndarray:
+    """log r where a weight or mask reads it: per token; the sequence's product of ratios
+    (sum of log r); their geometric mean (mean of log r over the sequence's tokens)."""
+    log_r = log_r * mask
+    if level == "token":
+        return log_r
+    total = log_r.sum(-1, keepdims=True)
+    if level == "sequence":
+        return np.broadcast_to(total, log_r.shape)
+    return np.broadcast_to(total / np.maximum(mask.sum(-1, keepdims=True), 1), log_r.shape)
+
+
+@pytest.mark.parametrize("level,band,cap", [
+    ("token", (0.5, 5.0), 5.0),  # IcePop (Ling team 2025): r in [0.5, 5] weighted by r, else 0
+    ("token", (0.0, 2.0), 2.0),  # token-level MIS (Liu, Li et al. 2025): r 1[r <= C]
+    ("sequence", (0.5, 2.0), None),  # sequence-level rejection, no weight
+    ("geometric", (0.8, 1.25), 2.0),  # geometric-mean rejection beside token TIS
+])
+def test_ratio_masks_match_numpy_transcriptions(level, band, cap):
+    """Masked importance sampling: w = min(r, C) 1[low <= r_level <= high] (the first factor
+    1 without C), 0 off the mask; the shares masked and truncated, the mean weight."""
+    from gpurl.algorithms.behaviour import behaviour_weights
+
+    rng = np.random.default_rng(5)
+    old = rng.normal(-2, 0.5, (8, 6)).astype(np.float32)
+    sampler = (old + rng.normal(0, 0.5, (8, 6))).astype(np.float32)
+    mask = (rng.random((8, 6)) > 0.25).astype(np.float32)
+    # a masked slot far off (a low temperature's padding): neutral, not NaN
+    old_far = np.where(mask > 0, old, -5e3).astype(np.float32)
+    w, metrics = behaviour_weights(jnp.asarray(old_far), jnp.asarray(sampler), jnp.asarray(mask),
+                                   cap, "token", band, level)
+    log_r = (old - sampler) * mask
+    read = _np_read(log_r, mask, level)
+    inside = (read >= np.log(band[0]) if band[0] > 0 else True) & (read <= np.log(band[1]))
+    first = np.minimum(np.exp(log_r), cap) if cap is not None else np.ones_like(log_r)
+    want = first * inside * mask
+    np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-7)
+    on = mask > 0
+    masked = (~inside)[on].mean()
+    assert 0 < masked < 1, masked  # the band binds, and not everywhere
+    np.testing.assert_allclose(metrics["off_policy/masked_fraction"], masked, rtol=1e-6)
+    np.testing.assert_allclose(metrics["off_policy/weight_mean"], want[on].mean(), rtol=1e-5)
+    assert ("off_policy/weight_clip_fraction" in metrics) == (cap is not None)
+
+
+def test_mismatch_metrics_match_numpy_and_take_the_maximum_over_micro_batches():
+    """mismatch/*: with log r = log pi_old - log pi_sampler on the trained tokens, the mean
+    and maximum |log r|, K3 (r - 1 - log r, KL(pi_sampler || pi_old)) and the share over
+    the threshold; the maximum is reduced by max over micro-batches, the rest by sum."""
+    from gpurl.algorithms.behaviour import mismatch_metrics
+    from gpurl.algorithms.objective import reduce_micro
+
+    rng = np.random.default_rng(6)
+    old = rng.normal(-2, 0.5, (8, 6)).astype(np.float32)
+    sampler = (old + rng.normal(0, 0.2, (8, 6))).astype(np.float32)
+    mask = (rng.random((8, 6)) > 0.25).astype(np.float32)
+    old_far = np.where(mask > 0, old, 5e3).astype(np.float32)  # masked slots: ignored
+    n = jnp.float32(mask.sum())
+    halves = [mismatch_metrics(jnp.asarray(old_far[i::2]), jnp.asarray(sampler[i::2]),
+                               jnp.asarray(mask[i::2]), n, 0.1) for i in range(2)]
+    got = reduce_micro({k: jnp.stack([h[k] for h in halves]) for k in halves[0]})
+    log_r = (old - sampler)[mask > 0]
+    want = {"mismatch/logprob_abs_mean": np.abs(log_r).mean(),
+            "mismatch/logprob_abs_max": np.abs(log_r).max(),
+            "mismatch/k3_kl": (np.exp(log_r) - 1 - log_r).mean(),
+            "mismatch/over_threshold": (np.abs(log_r) > 0.1).mean()}
+    assert 0 < want["mismatch/over_threshold"] < 1
+    assert set(got) == set(want)
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, err_msg=k)
 
 
 # ---------------------------------------------------------------- 5. the data stream
@@ -241,6 +313,9 @@ def test_async_rounds_are_sampled_a_step_ahead_and_corrected(tmp_path):
                 or (tokens2 != tokens1).any())
 
     assert [float(m["off_policy/lag"]) for m in (m0, m1, m2)] == [0.0, 1.0, 1.0]
+    # measured on every step: ~0 on the fresh round (one model, fp32), the lag after
+    gaps = [float(m["mismatch/logprob_abs_mean"]) for m in (m0, m1, m2)]
+    assert gaps[0] < 1e-4 < 1e-3 < min(gaps[1:]), gaps
     batch, metrics, _ = prepared[2]
     mask = np.asarray(batch["comp_mask"]) > 0
     # pi_old: the trainer's policy at the start of step 2, computed here independently
@@ -284,8 +359,8 @@ def test_async_without_correction_is_an_explicit_choice():
     """algo.async_correction=false trains rounds sampled a step ahead without weights
     (unless algo.tis_cap asks for them on every run); algo.tis_cap sets C; pi_old enters
     the loss's ratio only when a batch is trained more than once."""
-    from gpurl.algorithms.policy_gradient import (ASYNC_TIS_CAP, behaviour_cap,
-                                                  needs_old_logprobs, ratio_uses_old)
+    from gpurl.algorithms.behaviour import (ASYNC_TIS_CAP, behaviour_cap,
+                                           needs_old_logprobs, ratio_uses_old)
 
     grpo = algo_config("grpo")
     assert behaviour_cap(grpo, off_policy=False) is None and not needs_old_logprobs(grpo, False)

@@ -110,6 +110,9 @@ def _np_policy_loss(logp, old, ref, adv, mask, cfg, sampler=None):
     per_token = -np.minimum(ratio * adv[:, None], clipped * adv[:, None])
     if cfg.tis_cap is not None:  # Yao et al. 2025: min(pi_old / pi_sampler, C) per token
         per_token = per_token * np.minimum(np.exp(old - sampler), cfg.tis_cap)
+    if cfg.ratio_mask == "token":  # IcePop: no gradient where pi_old / pi_sampler leaves the band
+        r = np.exp(old - sampler)
+        per_token = per_token * ((r >= cfg.ratio_mask_low) & (r <= cfg.ratio_mask_high))
     if cfg.beta:
         r = np.exp(ref - logp)
         per_token = per_token + cfg.beta * (r - np.log(r) - 1)
@@ -126,9 +129,11 @@ def _np_policy_loss(logp, old, ref, adv, mask, cfg, sampler=None):
     dict(name="dapo", epsilon_high=0.28, loss_agg="token_mean"),
     dict(name="drgrpo", advantage="drgrpo", loss_agg="seq_mean_token_sum_norm"),
     dict(name="grpo", tis_cap=1.5),
+    dict(name="grpo", tis_cap=2.0, ratio_mask="token", ratio_mask_low=0.7, ratio_mask_high=2.0),
 ])
 def test_policy_loss_matches_numpy(overrides):
-    from gpurl.algorithms.policy_gradient import off_policy_terms, policy_loss
+    from gpurl.algorithms.behaviour import off_policy_terms
+    from gpurl.algorithms.policy_gradient import policy_loss
 
     cfg = algo_config(**overrides)
     old = (LOGP + RNG.normal(0, 0.3, (B, T))).astype(np.float32)

@@ -250,6 +250,23 @@ def _training_logprobs(spec: ModelSpec, params: Any, prompts: list[list[int]],
     return [logprobs[i, :lengths[i]] for i in range(len(prompts))], ref
 
 
+def behaviour_logprobs(tiny: Tiny, rollout: Rollout, cfg: RolloutConfig) -> tuple[list, list]:
+    """(the sampler's log-probs of each row's completion tokens, the reference: the
+    training forward's log_softmax(logits / temperature), restricted to the top-k / top-p
+    set and renormalized there (NumPy) when `cfg` truncates)."""
+    ours, full = _training_logprobs(tiny.spec, tiny.params, PROMPTS, rollout, cfg.temperature)
+    if not cfg.temperature or not (cfg.top_k or cfg.top_p < 1.0):
+        return ours, full
+    tokens, lengths, _ = _rows(rollout, len(PROMPTS))
+    ref = [np.zeros(n) for n in lengths]
+    for i, j, scaled_V, allowed in _drawn(tiny, tokens, lengths, cfg):
+        kept = scaled_V[sorted(allowed)].astype(np.float64)
+        ref[i][j] = scaled_V[tokens[i, j]] - kept.max() - np.log(np.exp(kept - kept.max()).sum())
+    # the truncation's mass S < 1 is what the two differ by: log S per token
+    assert min(float((r - f).min()) for r, f in zip(ref, full)) > 1e-3
+    return ours, ref
+
+
 def _max_diff(ours: list, ref: list) -> float:
     return max(float(np.abs(a - b).max()) for a, b in zip(ours, ref))
 
@@ -262,17 +279,7 @@ def test_logprobs_match_training_forward(gemma2: Tiny, setting: str) -> None:
     greedy), restricted to the top-k / top-p set and renormalized there when the setting
     truncates (NumPy)."""
     rollout = gemma2.sampler(setting).generate(gemma2.params, PROMPTS, SEEDS)
-    cfg = SAMPLING[setting]
-    ours, full = _training_logprobs(gemma2.spec, gemma2.params, PROMPTS, rollout, cfg.temperature)
-    ref = full
-    if cfg.temperature and (cfg.top_k or cfg.top_p < 1.0):
-        tokens, lengths, _ = _rows(rollout, len(PROMPTS))
-        ref = [np.zeros(n) for n in lengths]
-        for i, j, scaled_V, allowed in _drawn(gemma2, tokens, lengths, cfg.temperature):
-            kept = scaled_V[sorted(allowed)].astype(np.float64)
-            ref[i][j] = scaled_V[tokens[i, j]] - kept.max() - np.log(np.exp(kept - kept.max()).sum())
-        # the truncation's mass S < 1 is what the two differ by: log S per token
-        assert min(float((r - f).min()) for r, f in zip(ref, full)) > 1e-3
+    ours, ref = behaviour_logprobs(gemma2, rollout, SAMPLING[setting])
     diff = _max_diff(ours, ref)
     print(f"\ngemma2 {setting}: max |logprob diff| = {diff:.2e}")
     assert diff < LOGPROB_TOL
@@ -321,10 +328,10 @@ def test_allowed_logits_match_numpy(top_k: int, top_p: float) -> None:
         assert set(np.flatnonzero(kept).tolist()) == _allowed_np(row, top_k, top_p)
 
 
-def _drawn(tiny: Tiny, tokens: np.ndarray, lengths: np.ndarray, temperature: float):
+def _drawn(tiny: Tiny, tokens: np.ndarray, lengths: np.ndarray, cfg: RolloutConfig):
     """(row, completion token index, the training forward's logits / temperature before
     it, its top-k / top-p set in NumPy) of every drawn token."""
-    cfg = next(c for c in SAMPLING.values() if c.temperature == temperature)
+    temperature = cfg.temperature
     batch = _reference_batch(PROMPTS, tokens, lengths)
     apply, _ = _jitted(tiny.spec)
     logits_BxTxV = np.asarray(apply(tiny.params, batch["tokens"], batch["positions"],
@@ -345,11 +352,10 @@ def test_recorded_logprob_is_the_truncated_distributions(top_k: int, top_p: floa
     logits_BxV = rng.normal(0.0, 3.0, (16, 64)).astype(np.float32)
     keys_B = jax.random.split(jax.random.key(top_k), 16)
     greedy_B = np.arange(16) % 4 == 0
-    fixed = sample(jnp.asarray(logits_BxV), keys_B, temperature, top_k, top_p)
-    rows = sample_rows(jnp.asarray(logits_BxV), keys_B,
-                       jnp.asarray(np.where(greedy_B, 0.0, temperature), jnp.float32),
-                       jnp.full(16, top_k, jnp.int32), jnp.full(16, top_p, jnp.float32),
-                       True, top_k > 0 or top_p < 1.0)
+    fixed = jax.jit(sample, static_argnums=(2, 3, 4))(logits_BxV, keys_B, temperature, top_k, top_p)
+    rows = jax.jit(sample_rows, static_argnums=(5, 6))(
+        logits_BxV, keys_B, np.where(greedy_B, 0.0, temperature).astype(np.float32),
+        np.full(16, top_k, np.int32), np.full(16, top_p, np.float32), True, top_k > 0 or top_p < 1.0)
     for name, (tokens_B, logprobs_B) in {"sample": fixed, "sample_rows": rows}.items():
         for b, (token, logprob) in enumerate(zip(np.asarray(tokens_B), np.asarray(logprobs_B))):
             if name == "sample_rows" and greedy_B[b]:
@@ -367,7 +373,7 @@ def test_sampled_tokens_lie_in_allowed_set(gemma2: Tiny, setting: str) -> None:
     cfg = SAMPLING[setting]
     tokens, lengths, _ = _rows(gemma2.sampler(setting).generate(gemma2.params, PROMPTS, SEEDS), 4)
     log_all_in_set_untruncated, not_top1 = 0.0, 0
-    for i, j, scaled_V, allowed in _drawn(gemma2, tokens, lengths, cfg.temperature):
+    for i, j, scaled_V, allowed in _drawn(gemma2, tokens, lengths, cfg):
         assert tokens[i, j] in allowed, (i, j, len(allowed))
         log_all_in_set_untruncated += np.log(_softmax64(scaled_V)[sorted(allowed)].sum())
         not_top1 += tokens[i, j] != scaled_V.argmax()

@@ -16,6 +16,7 @@ import yaml
 from conftest import algo_config
 from gpurl.algorithms import registry
 from gpurl.algorithms.dpo import DPO_LOSSES
+from gpurl.algorithms.behaviour import BEHAVIOUR_RATIOS
 from gpurl.algorithms.policy_gradient import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, RATIOS
 from gpurl.cli import validate
 from gpurl.config import ConfigError, GRPOConfig
@@ -114,7 +115,8 @@ def test_algorithm_names_are_compared_only_in_the_registry():
     assert not found, f"algorithm names compared outside gpurl/algorithms/registry.py: {found}"
 
 
-@pytest.mark.parametrize("table", [KL_ESTIMATORS, LOSS_AGGS, ADVANTAGES, RATIOS, DPO_LOSSES],
+@pytest.mark.parametrize("table", [KL_ESTIMATORS, LOSS_AGGS, ADVANTAGES, RATIOS, DPO_LOSSES,
+                                   BEHAVIOUR_RATIOS],
                          ids=lambda t: t.what)
 def test_every_choice_has_its_registered_function_and_bad_names_list_the_valid_ones(table):
     assert table.missing() == []

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from gpurl.algorithms import grpo
+from gpurl.algorithms.behaviour import mismatch_metrics
 from gpurl.algorithms.choices import Choices
 from gpurl.algorithms.forward import (group_logprobs, group_states, shifted_targets,
                                       states_logprobs, states_pair)
@@ -225,11 +226,13 @@ def opd_objective(cfg: OPDConfig, rollout: RolloutConfig) -> Objective:
     full = cfg.signal == DistillSignal.FULL
     policy_gradient = not full or cfg.task_weight > 0 or (cfg.beta > 0 and not cfg.kl_in_reward)
 
-    def divergence(logits: tuple[jax.Array, jax.Array], targets: jax.Array) -> tuple[jax.Array]:
+    def divergence(logits: tuple[jax.Array, jax.Array], targets: jax.Array) -> tuple[jax.Array, ...]:
+        """(the reverse KL, the student's log-prob of the sampled token) per token."""
         student, teacher = _log_probs(logits, temperature)
+        logp = jnp.take_along_axis(student, targets[..., None].astype(jnp.int32), -1)[..., 0]
         if cfg.top_k:
-            return (top_k_reverse_kl(student, teacher, cfg.top_k),)
-        return (reverse_kl(student, teacher),)
+            return top_k_reverse_kl(student, teacher, cfg.top_k), logp
+        return reverse_kl(student, teacher), logp
 
     def loss(spec: Any, params: Any, batch: Batch, norm: dict, teacher: Any = None):
         rows = flat_rows(batch)
@@ -242,8 +245,12 @@ def opd_objective(cfg: OPDConfig, rollout: RolloutConfig) -> Objective:
                                          mask_BxN.shape[-1])
             metrics["entropy"] = (entropy_PxGxN * batch["comp_mask"]).sum() / norm["tokens"]
         if full:
-            (kl_PxGxN,) = states_pair(spec, params, states, teacher, teacher_states(teacher, batch),
-                                      batch, divergence)
+            kl_PxGxN, logp_PxGxN = states_pair(spec, params, states, teacher,
+                                               teacher_states(teacher, batch), batch, divergence)
+            if not policy_gradient:  # the mismatch, measured as `policy_loss` measures it
+                metrics.update(mismatch_metrics(logp_PxGxN.reshape(mask_BxN.shape),
+                                                rows["sampler_logprobs"], mask_BxN,
+                                                norm["tokens"], cfg.mismatch_threshold))
             total = total + cfg.distill_weight * aggregate(
                 kl_PxGxN.reshape(mask_BxN.shape), mask_BxN, cfg.loss_agg, norm["tokens"],
                 norm["seqs"], mask_BxN.shape[-1])

@@ -13,7 +13,7 @@ prompt tokens) so that micro-batches split whole groups: prompt_tokens (P x W),
 prompt_lengths (P), completions (P x G x N), completion_lengths (P x G), comp_mask
 (P x G x N: 1 on completion tokens that carry loss), advantages (P x G), and when needed
 old_logprobs (num_iterations > 1: `ratio_uses_old`), ref_logprobs (beta > 0), sampler_logprobs and
-is_weights (the truncated importance weights, `behaviour_weights`), each P x G x N.
+is_weights (the behaviour correction's weights, `behaviour.behaviour_weights`), each P x G x N.
 `prepare` adds advantages and the log-probs to the rollout batch.
 """
 
@@ -24,11 +24,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gpurl.algorithms.behaviour import needs_old_logprobs, off_policy_terms, ratio_uses_old
 from gpurl.algorithms.forward import group_logprobs
 from gpurl.algorithms.objective import Batch, Objective
 from gpurl.algorithms.policy_gradient import (flat_rows, group_advantages, kl_estimate,
-                                              needs_old_logprobs, off_policy_terms, policy_loss,
-                                              ratio_uses_old, token_normalizer)
+                                              policy_loss, token_normalizer)
 from gpurl.algorithms.rl import RLContext, RLInputs
 from gpurl.algorithms.rm import reward_model_scores
 from gpurl.config import GRPOConfig, RolloutConfig

@@ -11,9 +11,17 @@ import jax
 Batch = dict[str, jax.Array]
 # (model spec, params, micro_batch, normalizer, teacher) -> (loss, metrics). The loss is
 # this micro-batch's share of the global-batch loss, so shares add up across
-# micro-batches; every metric must be additive the same way. `teacher` is the run's frozen
-# teacher (`Teacher`) for a distillation algorithm, None otherwise.
+# micro-batches; every metric must be additive the same way, but for maxima, whose names
+# end in MAXIMUM (`reduce_micro`). `teacher` is the run's frozen teacher (`Teacher`) for
+# a distillation algorithm, None otherwise.
 LossFn = Callable[[Any, Any, Batch, Any, Any], tuple[jax.Array, dict]]
+MAXIMUM = "_max"
+
+
+def reduce_micro(metrics_M: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """One step's metrics from the M micro-batches' (each M-leading): shares summed,
+    maxima (names ending in MAXIMUM) the largest."""
+    return {k: m.max(0) if k.endswith(MAXIMUM) else m.sum(0) for k, m in metrics_M.items()}
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from gpurl.algorithms.behaviour import masked_log_ratio, mismatch_metrics
 from gpurl.algorithms.choices import Choices
 from gpurl.algorithms.objective import Batch
-from gpurl.config import (Advantage, ImportanceRatio, KLEstimator, LossAgg, PolicyGradientConfig,
-                          TISLevel)
+from gpurl.config import Advantage, ImportanceRatio, KLEstimator, LossAgg, PolicyGradientConfig
 
 # ---------------------------------------------------------------- KL(pi || pi_ref) per token
 
@@ -45,15 +45,6 @@ def kl_estimate(logp_BxT: jax.Array, ref_logp_BxT: jax.Array, kind: str,
     k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r (unbiased, always >= 0);
     0 where `mask_BxT` is 0 (log r is set to 0 there before any exp)."""
     return KL_ESTIMATORS[kind](masked_log_ratio(ref_logp_BxT, logp_BxT, mask_BxT))
-
-
-def masked_log_ratio(num_BxT: jax.Array, den_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
-    """num - den on the masked tokens and exactly 0 elsewhere, selected (`where`), not
-    multiplied: a masked slot may hold any value (a padding slot's log-prob at a low
-    temperature is in the thousands), and exp() of it times a mask of 0 would be
-    inf x 0 = NaN in the value and in every gradient. Every exp() of a log-ratio in the
-    RL math reads it through here."""
-    return jnp.where(mask_BxT > 0, num_BxT - den_BxT, 0.0)
 
 
 # ---------------------------------------------------------------- loss aggregation
@@ -127,99 +118,6 @@ def group_advantages(rewards_B: jax.Array, group: int, kind: str, eps: float = 1
     return ADVANTAGES[kind](r_PxG, eps).reshape(-1)
 
 
-# ---------------------------------------------------------------- pi_old and the sampler
-
-# The cap C of the truncated importance weight on `rollout.async` runs when algo.tis_cap is
-# null: C = 2, the value of Yao et al. 2025 and the default threshold of verl's rollout
-# correction (`rollout_is_threshold`).
-ASYNC_TIS_CAP = 2.0
-
-
-def behaviour_cap(cfg: PolicyGradientConfig, off_policy: bool) -> float | None:
-    """The cap C of the truncated importance weight min(pi_old / pi_sampler, C), or None
-    when the loss takes no weight: algo.tis_cap when set; on a run that trains rounds
-    sampled a step ahead (`off_policy`, rollout.async), `ASYNC_TIS_CAP` unless
-    algo.async_correction=false (which leaves a set algo.tis_cap in force)."""
-    if cfg.tis_cap is not None:
-        return cfg.tis_cap
-    return ASYNC_TIS_CAP if off_policy and cfg.async_correction else None
-
-
-def needs_old_logprobs(cfg: PolicyGradientConfig, off_policy: bool) -> bool:
-    """Whether the prepare step computes pi_old, the trainer's own log-probs of the batch
-    with the parameters the step starts from: for several passes over a batch, for a
-    batch sampled by another policy (`off_policy`) or weighted against the sampler, and
-    for a KL in the reward (a KL against the sampler's log-probs would measure the
-    sampler/trainer mismatch too)."""
-    return (cfg.num_iterations > 1 or off_policy or behaviour_cap(cfg, off_policy) is not None
-            or (cfg.beta > 0 and cfg.kl_in_reward))
-
-
-def ratio_uses_old(cfg: PolicyGradientConfig) -> bool:
-    """Whether the loss's ratio pi_theta / pi_old reads the computed pi_old: only when the
-    batch is trained more than once. On one pass theta is pi_old's parameters, so the
-    ratio is 1 exactly as sg[pi_theta] (a second forward pass would add only float noise,
-    which a 3e-4 clip range such as GSPO's could mistake for a policy change)."""
-    return cfg.num_iterations > 1
-
-
-# log(pi_old / pi_behaviour) where the truncated weight is taken, B x T: per token, or per
-# sequence (the sum over its tokens, the log of the product of their ratios, on each token):
-# verl's rollout correction calls these token- and sequence-level TIS.
-BEHAVIOUR_RATIOS: Choices[Callable[[jax.Array, jax.Array], jax.Array]] = Choices(
-    "truncated importance weight level", TISLevel)
-
-
-@BEHAVIOUR_RATIOS.register(TISLevel.TOKEN)
-def _token_log_ratio(log_r_BxT, mask_BxT):
-    return log_r_BxT
-
-
-@BEHAVIOUR_RATIOS.register(TISLevel.SEQUENCE)
-def _sequence_log_ratio(log_r_BxT, mask_BxT):
-    return jnp.broadcast_to(log_r_BxT.sum(-1, keepdims=True), log_r_BxT.shape)
-
-
-def behaviour_weights(old_BxT: jax.Array, sampler_BxT: jax.Array, mask_BxT: jax.Array,
-                      cap: float, level: str = TISLevel.TOKEN) -> tuple[jax.Array, dict]:
-    """Truncated importance weights w = min(pi_old / pi_behaviour, C) per token, B x T, and
-    their metrics over the masked tokens; `level` sequence: one weight per sequence, the
-    product of its tokens' ratios truncated at C (`BEHAVIOUR_RATIOS`).
-
-    pi_behaviour is the policy that sampled each token (the sampler's log-probs) and pi_old
-    the trainer's policy at the start of the step (the proximal policy): the clipped ratio
-    is taken against pi_old and w corrects for the tokens having been drawn from
-    pi_behaviour. This is decoupled PPO (Hilton et al. 2022, "Batch Size-Invariance for
-    Policy Optimization": the objective weighted by pi_prox / pi_behaviour, the ratio
-    taken against pi_prox; AReaL, Fu et al. 2025, truncates the weight) and truncated
-    importance sampling for the sampler/trainer mismatch (Yao et al. 2025; verl's
-    token-level rollout correction). Logged: the fraction of tokens whose weight
-    was truncated, the mean weight, and the effective sample size (sum w)^2 / (n sum w^2)
-    of the n tokens (1 when every weight is equal)."""
-    raw_BxT = jnp.exp(BEHAVIOUR_RATIOS[level](masked_log_ratio(old_BxT, sampler_BxT, mask_BxT),
-                                              mask_BxT))
-    weights_BxT = jnp.minimum(raw_BxT, cap) * mask_BxT
-    n = jnp.maximum(mask_BxT.sum(), 1.0)
-    total = weights_BxT.sum()
-    return weights_BxT, {
-        "off_policy/weight_clip_fraction": ((raw_BxT > cap) * mask_BxT).sum() / n,
-        "off_policy/weight_mean": total / n,
-        "off_policy/ess": total**2 / (n * jnp.maximum((weights_BxT**2).sum(), 1e-30))}
-
-
-def off_policy_terms(cfg: PolicyGradientConfig, off_policy: bool, old_BxT: jax.Array,
-                     batch: Batch) -> tuple[Batch, dict]:
-    """The batch keys and metrics of the behaviour correction (`behaviour_weights`) that
-    the prepare step adds, shaped like the batch's log-probs; nothing without a cap."""
-    cap = behaviour_cap(cfg, off_policy)
-    if cap is None:
-        return {}, {}
-    shape = batch["sampler_logprobs"].shape
-    weights, metrics = behaviour_weights(old_BxT.reshape(shape), batch["sampler_logprobs"],
-                                         batch["comp_mask"], cap, cfg.tis_level)
-    return {"is_weights": weights}, metrics
-
-
 # ---------------------------------------------------------------- the clipped surrogate
 
 def clipped_objective(ratio: jax.Array, adv: jax.Array, eps_low: float, eps_high: float,
@@ -267,17 +165,21 @@ def policy_loss(cfg: PolicyGradientConfig, logp_BxT: jax.Array, batch: Batch, no
                 max_tokens: int) -> tuple[jax.Array, dict]:
     """This micro-batch's share of the loss from policy log-probs (B x T): the clipped
     surrogate with the configured ratio, weighted by the prepare step's truncated
-    importance weights against the sampler when it computed them (`behaviour_weights`),
+    importance weights against the sampler when it computed them
+    (`gpurl.algorithms.behaviour.behaviour_weights`),
     and the KL term in the loss, aggregated as configured.
     Batch keys (B rows): comp_mask, advantages (B, or B x T for PPO's per-token GAE) and,
-    when configured, old_logprobs, ref_logprobs, sampler_logprobs, is_weights."""
+    when configured, old_logprobs, ref_logprobs, sampler_logprobs, is_weights. With the
+    sampler's log-probs, the sampler/trainer mismatch is measured (`mismatch_metrics`)
+    against pi_old: the computed one, or this forward pass's own log-probs, which are
+    pi_old's on the first pass over a batch (the only pass without a computed one)."""
     mask_BxT = batch["comp_mask"]
     old_BxT = batch.get("old_logprobs", jax.lax.stop_gradient(logp_BxT))
     adv = batch["advantages"]
     adv_BxT = adv[:, None] if adv.ndim == 1 else adv
     ratio_BxT = RATIOS[cfg.importance](logp_BxT, old_BxT, mask_BxT)
     per_token = clipped_objective(ratio_BxT, adv_BxT, cfg.epsilon, cfg.clip_high, cfg.dual_clip)
-    if "is_weights" in batch:  # truncated importance weights (`behaviour_weights`)
+    if "is_weights" in batch:  # the behaviour correction's weights (truncated, masked)
         per_token = per_token * jax.lax.stop_gradient(batch["is_weights"])
     metrics = {}
     if cfg.beta > 0 and not cfg.kl_in_reward:
@@ -288,9 +190,9 @@ def policy_loss(cfg: PolicyGradientConfig, logp_BxT: jax.Array, batch: Batch, no
     clipped = (ratio_BxT < 1 - cfg.epsilon) | (ratio_BxT > 1 + cfg.clip_high)
     metrics.update(loss=loss, clip_fraction=(clipped * mask_BxT).sum() / norm["tokens"],
                    tokens=mask_BxT.sum())
-    if "sampler_logprobs" in batch:  # the train/inference mismatch: the policy that sampled
-        gap_BxT = jnp.abs(jax.lax.stop_gradient(old_BxT) - batch["sampler_logprobs"])
-        metrics["sampler/logprob_gap"] = (gap_BxT * mask_BxT).sum() / norm["tokens"]
+    if "sampler_logprobs" in batch:  # pi_old (this pass's own forward on the first) vs sampler
+        metrics.update(mismatch_metrics(old_BxT, batch["sampler_logprobs"], mask_BxT,
+                                        norm["tokens"], cfg.mismatch_threshold))
     return loss, metrics
 
 

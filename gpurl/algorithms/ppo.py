@@ -34,8 +34,8 @@ import jax.numpy as jnp
 
 from gpurl.algorithms.forward import group_logprobs, group_states, state_values, states_logprobs
 from gpurl.algorithms.objective import Batch, Objective
-from gpurl.algorithms.policy_gradient import (flat_rows, kl_estimate, off_policy_terms,
-                                              policy_loss, token_normalizer)
+from gpurl.algorithms.behaviour import off_policy_terms
+from gpurl.algorithms.policy_gradient import flat_rows, kl_estimate, policy_loss, token_normalizer
 from gpurl.algorithms.rl import RLContext, RLInputs
 from gpurl.algorithms.rm import reward_model_scores
 from gpurl.config import KLControlConfig, ModelConfig, PPOConfig, RolloutConfig

@@ -46,11 +46,17 @@ class Advantage(str, enum.Enum):
 
 
 class TISLevel(str, enum.Enum):
-    """Where the truncated behaviour weight min(pi_old / pi_behaviour, C) is taken: per
-    token, or per sequence (the product over its tokens, one weight for all of them)."""
+    """Where the behaviour ratio pi_old / pi_behaviour is read, for the truncated weight
+    (`algo.tis_level`) and the ratio mask (`algo.ratio_mask`): per token, per sequence
+    (the product over its tokens, one value for all of them), or the sequence's geometric
+    mean (exp of the mean log-ratio over its tokens)."""
 
     TOKEN = "token"
     SEQUENCE = "sequence"
+    GEOMETRIC = "geometric"
+
+
+RATIO_MASK_OFF = "off"  # algo.ratio_mask: no mask (the other values are TISLevel's)
 
 
 class ImportanceRatio(str, enum.Enum):
@@ -178,7 +184,15 @@ class PolicyGradientConfig(AlgoConfig):
     tis_cap: Optional[float] = None
     # rollout.async: weight tokens sampled a step ahead by min(pi_old / pi_sampler, C), C = tis_cap or 2; false = none (unless tis_cap)
     async_correction: bool = True
-    tis_level: str = "token"  # truncated importance weight per token or per sequence (the product of its tokens' ratios)
+    tis_level: str = "token"  # truncated importance weight per token, per sequence (the product of its tokens' ratios) or geometric (their geometric mean)
+    # masked importance sampling: a token's weight is 0 where pi_old / pi_sampler, read per
+    # token, sequence (product) or geometric (the sequence's geometric mean), leaves
+    # [ratio_mask_low, ratio_mask_high]; off = no mask (IcePop: token, 0.5, 5 with tis_cap=5)
+    ratio_mask: str = "off"
+    ratio_mask_low: float = 0.5  # ratio_mask: the band's lower end (>= 0, <= 1)
+    ratio_mask_high: float = 5.0  # ratio_mask: the band's upper end (>= 1)
+    # mismatch/over_threshold: the share of trained tokens whose |log pi_old - log pi_sampler| exceeds this
+    mismatch_threshold: float = 0.1
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill the batch
     max_refills: int = 4  # dynamic sampling: extra rollout rounds per step at most
     overlong_buffer: int = 0  # DAPO overlong shaping: penalty ramps over the last N tokens; 0 = off
@@ -192,6 +206,14 @@ class PolicyGradientConfig(AlgoConfig):
         _enum(self, "loss_agg", "algo.loss_agg", LossAgg)
         _enum(self, "importance", "algo.importance", ImportanceRatio)
         _enum(self, "tis_level", "algo.tis_level", TISLevel)
+        _choice("algo.ratio_mask", self.ratio_mask,
+                (RATIO_MASK_OFF,) + tuple(m.value for m in TISLevel))
+        if not 0.0 <= self.ratio_mask_low <= 1.0 <= self.ratio_mask_high:
+            raise ConfigError(
+                f"algo.ratio_mask_low={self.ratio_mask_low} and algo.ratio_mask_high="
+                f"{self.ratio_mask_high} must bracket 1 (0 <= low <= 1 <= high), or every "
+                f"on-policy token would be masked; use e.g. 0.5 and 5.")
+        _positive("algo.mismatch_threshold", self.mismatch_threshold)
         _positive("algo.beta", self.beta, allow_zero=True)
         _positive("algo.epsilon", self.epsilon)
         if self.tis_cap is not None:

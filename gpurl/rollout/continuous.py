@@ -29,8 +29,8 @@ first token again, under the current weights), and a finished group holding one 
 sampled again; the engine takes new weights at once when its own are older than the
 bound. The loss corrects for the lag with the trainer's
 policy at the step start as the proximal policy and truncated importance weights
-min(pi_old / pi_behaviour, C) per token (`gpurl.algorithms.policy_gradient.
-behaviour_weights`), pi_behaviour being each token's log-prob under the version that
+min(pi_old / pi_behaviour, C) per token (`gpurl.algorithms.behaviour.behaviour_weights`),
+pi_behaviour being each token's log-prob under the version that
 sampled it.
 """
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpurl.algorithms.policy_gradient import behaviour_cap
+from gpurl.algorithms import behaviour
 from gpurl.algorithms.rl import RLContext, RLInputs
 from gpurl.config import (Config, ConfigError, DataConfig, EnvConfig, MeshConfig, PolicyGradientConfig,
                           RewardsConfig, RolloutConfig, TrainConfig)
@@ -115,7 +115,7 @@ class RLStepper(Stepper):
         # rollout.async with split placement: step s+1's first rollout round is generated
         # with the parameters step s starts from, while step s trains (one step off-policy):
         # the prepare step computes pi_old and the loss corrects for the lag
-        # (`gpurl.algorithms.policy_gradient.behaviour_weights`).
+        # (`gpurl.algorithms.behaviour.behaviour_weights`).
         self.continuous = (Continuous(self.rounds, self.collector, self.prompts, rollout,
                                       algo.num_generations, train.batch_size, train.seed)
                            if rollout.continuous else None)
@@ -275,20 +275,16 @@ class RLStepper(Stepper):
             summed.append(functions)
         names = " + ".join(summed) or "none"
         names += f" (reported: {functions})" if reported else ""
-        ahead = ""
+        fix = behaviour.describe(self.algo, self.overlap)
+        corrected = f"corrected by {fix}" if fix else "uncorrected (algo.async_correction=false)"
+        ahead = f", sampler/trainer mismatch corrected by {fix}" if fix else ""
         if self.continuous is not None:
-            cap = behaviour_cap(self.algo, True)
             swap = (f"after {self.rollout.swap_chunks} decode iterations of each step"
                     if self.rollout.swap_chunks else "as soon as they are computed")
             ahead = (f", continuous rollouts (new weights enter {swap}; tokens at most "
-                     f"{self.rollout.max_lag} versions old, corrected by truncated importance "
-                     f"weights C={cap:g})" if cap is not None else ", continuous rollouts, "
-                     f"uncorrected (algo.async_correction=false)")
+                     f"{self.rollout.max_lag} versions old, {corrected})")
         elif self.overlap:
-            cap = behaviour_cap(self.algo, True)
-            ahead = (f", rollouts one step ahead corrected by truncated importance weights "
-                     f"(C={cap:g})" if cap is not None else ", rollouts one step ahead, "
-                     f"uncorrected (algo.async_correction=false)")
+            ahead = f", rollouts one step ahead {corrected}"
         elif self._async_ignored:
             ahead = (", rollout.async has no effect with colocated placement (rollouts and "
                      "training share the devices; mesh.placement=split overlaps them)")

@@ -4,8 +4,6 @@ a distillation algorithm's frozen `Teacher`, None otherwise).
 Micro-batch gradient accumulation runs as a `lax.scan` inside the one jitted call; each
 micro-batch takes rows strided across the batch so that every device works on every
 micro-batch. Shardings are explicit on both sides and the old state is donated.
-
-Shape letter M: micro-batches of a step.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gpurl.algorithms.objective import Batch, Objective
+from gpurl.algorithms.objective import Batch, Objective, reduce_micro
 from gpurl.config import ModelConfig, OptimConfig
 from gpurl.data import packing
 from gpurl.distributed.mesh import Rules, batch_sharding, replicated, tree_shardings
@@ -224,7 +222,7 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
                          is_leaf=is_none)
     if loss_scale is not None:
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / loss_scale).astype(g.dtype), grads)
-    return grads, jax.tree.map(lambda m: m.sum(0), metrics_M)
+    return grads, reduce_micro(metrics_M)
 
 
 def jit_rows(fn: Callable, place: Placement, **jit_kwargs: Any) -> Any:
