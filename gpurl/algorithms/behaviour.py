@@ -144,7 +144,7 @@ def behaviour_weights(old_BxT: jax.Array, sampler_BxT: jax.Array, mask_BxT: jax.
     the weight inside, i.e. C = 5; Liu, Li et al. 2025, "When Speed Kills Stability", mask
     at the sequence level and by the geometric mean). `level`, `band_level`: where r is
     read (`BEHAVIOUR_RATIOS`). A masked token keeps its place in the loss's normalizer, as
-    in IcePop's objective (verl's rejection sampling drops it from the normalizer too).
+    in IcePop's objective (verl's rejection sampling takes it out of the normalizer instead).
 
     Logged: the share of tokens whose weight was truncated, the share masked, the mean
     weight, and the effective sample size (sum w)^2 / (n sum w^2) of the n tokens (1 when

@@ -226,7 +226,8 @@ def opd_objective(cfg: OPDConfig, rollout: RolloutConfig) -> Objective:
     full = cfg.signal == DistillSignal.FULL
     policy_gradient = not full or cfg.task_weight > 0 or (cfg.beta > 0 and not cfg.kl_in_reward)
 
-    def divergence(logits: tuple[jax.Array, jax.Array], targets: jax.Array) -> tuple[jax.Array, ...]:
+    def divergence(logits: tuple[jax.Array, jax.Array],
+                   targets: jax.Array) -> tuple[jax.Array, ...]:
         """(the reverse KL, the student's log-prob of the sampled token) per token."""
         student, teacher = _log_probs(logits, temperature)
         logp = jnp.take_along_axis(student, targets[..., None].astype(jnp.int32), -1)[..., 0]
