@@ -41,7 +41,7 @@ def test_grpo_compiles_for_four_h200s_with_cudnn_attention(compiler):
                              "plan.target=h200", "plan.devices=4", "mesh.data=2", "mesh.tp=2")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert ("trainer mesh {'data': 2, 'fsdp': 1, 'expert': 1, 'tp': 2} of 4 NVIDIA H200 "
+    assert ("trainer mesh {'data': 2, 'fsdp': 1, 'context': 1, 'expert': 1, 'tp': 2} of 4 NVIDIA H200 "
             "(compile-only, plan.target=h200) device(s), model.dtype=bfloat16, "
             "model.remat=full") in text
     train, rollout = _table(text, "train step"), _table(text, "rollout")
@@ -58,6 +58,22 @@ def test_grpo_compiles_for_four_h200s_with_cudnn_attention(compiler):
     assert "device memory             105.301  -> fits" in train
     assert "(device memory: NVIDIA H200, 140.4 GiB x 0.75 (XLA_PYTHON_CLIENT_MEM_FRACTION))" in train
     assert "[gpurl] plan: fits" in text
+
+
+@pytest.mark.cuda_lowering
+@pytest.mark.index
+def test_context_axis_compiles_for_h200s_with_the_pallas_kernel(compiler):
+    """Rows split over a context axis of 2 (x data 2): the train step's attention runs the
+    Pallas kernel under the gather (cuDNN's index-based mask cannot describe a split
+    row), and the account counts its interconnect traffic."""
+    out = gpu_compiler.gpurl(compiler, "plan", "algo=grpo", *TINY, "model.attention=auto",
+                             "plan.target=h200", "plan.devices=4", "mesh.data=2", "mesh.context=2")
+    assert out.returncode == 0, out.stderr
+    assert "'context': 2" in out.stdout
+    train = _table(out.stdout, "train step")
+    assert "GPU kernels: Pallas (Triton) x" in train and "cuDNN" not in train
+    assert "interconnect:" in train and "at NVLink's 450 GB/s" in train
+    assert "[gpurl] plan: fits" in out.stdout
 
 
 @pytest.mark.cuda_lowering

@@ -26,30 +26,54 @@ CLEN = np.asarray([[40, 3, 0, 5], [1, 1, 2, 30], [7, 0, 3, 3], [12, 25, 2, 1]])
 # ---------------------------------------------------------------- the plan (numpy)
 
 def _check_plan(pl: packing.Plan, plen, clen, width, n):
-    """Every prompt prefix and completion token sits in its row as the docstring says."""
+    """Every prompt prefix and completion token sits in its row as the docstring says, in
+    the stored order of the plan's context blocks (`balanced_order`)."""
     p, g = clen.shape
+    rows, length = pl.shape
+    order = packing.balanced_order(length, pl.context)
+    stored_of = np.argsort(order)
+    assert sorted(order.tolist()) == list(range(length))
+    source, positions, segments = (x[:, stored_of] for x in (pl.source, pl.positions, pl.segments))
     seen = np.zeros(p * width + p * g * n, int)
-    src = pl.source[pl.source >= 0]
+    src = source[source >= 0]
     np.add.at(seen, src, 1)
+    _, blocks, h = pl.head.shape
+    assert blocks == pl.context
     for q in range(p):
         for c in range(g):
-            row, at = pl.row[q, c], pl.start[q, c]
-            seg = pl.segments[row, at]
+            row = pl.row[q, c]
+            at = order[pl.state_cols[q, c, 0]]  # s_0's natural slot
+            np.testing.assert_array_equal(pl.state_cols[q, c, :clen[q, c] + 1],
+                                          stored_of[at + np.arange(clen[q, c] + 1)])
+            seg = segments[row, at]
             assert seg % BRANCHES > 0  # a branch
             span = slice(at, at + clen[q, c] + 1)
-            assert (pl.segments[row, span] == seg).all()
-            np.testing.assert_array_equal(pl.positions[row, span], plen[q] - 1 + np.arange(clen[q, c] + 1))
-            assert pl.source[row, at] == q * width + plen[q] - 1  # the prompt's last token
+            assert (segments[row, span] == seg).all()
+            np.testing.assert_array_equal(positions[row, span], plen[q] - 1 + np.arange(clen[q, c] + 1))
+            assert source[row, at] == q * width + plen[q] - 1  # the prompt's last token
             comp = p * width + (q * g + c) * n
-            np.testing.assert_array_equal(pl.source[row, at + 1:span.stop], comp + np.arange(clen[q, c]))
+            np.testing.assert_array_equal(source[row, at + 1:span.stop], comp + np.arange(clen[q, c]))
             # the prefix of its group in the row: prompt tokens 0..plen-2 at positions 0..
-            prefix = (pl.segments[row] == seg - seg % BRANCHES)
-            np.testing.assert_array_equal(pl.source[row][prefix], q * width + np.arange(plen[q] - 1))
-            # the head slots of the completion predict its tokens, in order
-            h = pl.head_start[q, c]
-            np.testing.assert_array_equal(pl.head[row, h:h + clen[q, c]], at + np.arange(clen[q, c]))
+            prefix = (segments[row] == seg - seg % BRANCHES)
+            np.testing.assert_array_equal(source[row][prefix], q * width + np.arange(plen[q] - 1))
+            # the head column of token j holds (in its context block, as a local index)
+            # the slot of s_j, and predicts token j
+            cols = pl.head_cols[q, c, :clen[q, c]]
+            block, local = cols // h, pl.head.reshape(rows, -1)[row, cols]
+            np.testing.assert_array_equal(block * (length // pl.context) + local,
+                                          pl.state_cols[q, c, :clen[q, c]])
+            np.testing.assert_array_equal(pl.head_source.reshape(rows, -1)[row, cols],
+                                          comp + np.arange(clen[q, c]))
     # every completion token exactly once; a prompt token once per row its group is in
     assert (seen[p * width:].reshape(p, g, n) == (np.arange(n) < clen[..., None])).all()
+
+
+def test_balanced_order_gives_each_device_chunks_c_and_2C_minus_1_minus_c():
+    np.testing.assert_array_equal(packing.balanced_order(8, 2), [0, 1, 6, 7, 2, 3, 4, 5])
+    np.testing.assert_array_equal(packing.balanced_order(8, 1), np.arange(8))
+    for c in (2, 4, 8):  # every device has the same causal work: sum of (slot + 1) per block
+        work = (packing.balanced_order(64, c) + 1).reshape(c, -1).sum(1)
+        assert (work == work[0]).all()
 
 
 def test_plan_places_every_token_once_behind_its_prompt():
@@ -59,12 +83,15 @@ def test_plan_places_every_token_once_behind_its_prompt():
         plen = rng.integers(1, width + 1, p)
         clen = np.minimum(rng.geometric(0.15, (p, g)) - 1, n)
         budget, shards = int(rng.integers(16, 400)), int(rng.choice([1, 2, 4]))
-        pl = packing.plan(plen, clen, width, n, budget, shards, attention_cost=1 / 384)
+        context = int(rng.choice([1, 2, 4]))
+        pl = packing.plan(plen, clen, width, n, budget, shards, attention_cost=1 / 384,
+                          context=context)
         rows, length = pl.shape
         assert length >= (plen[:, None] + clen).max() and rows % (shards * pl.num_micro) == 0
-        assert pl.num_micro == packing.num_micro(rows, length, budget, shards)
-        # micro-batches never exceed the budget unless one row is already more
-        assert rows // (shards * pl.num_micro) * length <= max(budget, length)
+        assert pl.num_micro == packing.num_micro(rows, length, budget, shards, context)
+        # micro-batches never exceed the budget per device unless one row's share is more
+        local = length // context
+        assert rows // (shards * pl.num_micro) * local <= max(budget, local)
         _check_plan(pl, plen, clen, width, n)
 
 
@@ -111,7 +138,7 @@ def test_row_shapes_stay_few_over_random_length_mixes():
         lengths = np.minimum(rng.pareto(1.2, (8, 8)) * 20 + 1, 512).astype(int)
         pl = packing.plan(np.full(8, 32), lengths, 32, 512, budget=64 * 544, shards=1,
                           attention_cost=1 / (12 * 640))
-        shapes.add((*pl.shape, pl.head.shape[1], pl.num_micro))
+        shapes.add((*pl.shape, pl.head.shape[2], pl.num_micro))
     assert len(shapes) <= 10 and len({s[1] for s in shapes}) <= 2, shapes
 
 

@@ -103,7 +103,7 @@ def test_gpurl_plan_of_llama3_8b_on_8_simulated_gpus():
                  "plan.prompt_len=512", "rollout.max_new_tokens=1024", "data.num_eval=0")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "trainer mesh {'data': 1, 'fsdp': 8, 'expert': 1, 'tp': 1} of 8 cpu device(s)" in text
+    assert "trainer mesh {'data': 1, 'fsdp': 8, 'context': 1, 'expert': 1, 'tp': 1} of 8 cpu device(s)" in text
     assert "model.dtype=bfloat16, model.remat=full" in text and "[gpurl] plan: fits" in text
     train_table = text.split("train step (GiB per device")[1].split("rollout (GiB")[0]
     parts = {}

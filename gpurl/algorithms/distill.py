@@ -40,8 +40,9 @@ import jax.numpy as jnp
 from gpurl.algorithms import grpo
 from gpurl.algorithms.behaviour import mismatch_metrics
 from gpurl.algorithms.choices import Choices
-from gpurl.algorithms.forward import (group_logprobs, group_states, shifted_targets,
-                                      states_logprobs, states_pair)
+from gpurl.algorithms.forward import (group_logprobs, group_states, head_params, row_head,
+                                      row_hidden, shifted_targets, states_logprobs,
+                                      states_pair)
 from gpurl.algorithms.objective import Batch, Objective, Teacher
 from gpurl.algorithms.policy_gradient import aggregate, flat_rows, policy_loss, token_normalizer
 from gpurl.algorithms.rl import RLContext, RLInputs
@@ -283,14 +284,13 @@ def kd_objective(cfg: KDConfig, rollout: RolloutConfig) -> Objective:
         return div, ce, nll, correct.astype(jnp.float32)
 
     def loss(spec: Any, params: Any, batch: Batch, norm: jax.Array, teacher: Any = None):
-        inputs = (batch["tokens"], batch["positions"], batch["segment_ids"])
-        hidden_BxTxD, _ = spec.hidden(params, *inputs)
+        head_BxTxD, targets_BxT, mask_BxT = row_head(row_hidden(spec, params, batch), batch)
         with moe.collect():  # the teacher's router statistics are not the student's
-            teacher_BxTxD = jax.lax.stop_gradient(teacher.spec.hidden(teacher.params, *inputs)[0])
-        targets_BxT, mask_BxT = shifted_targets(batch)
+            teacher_BxTxD = jax.lax.stop_gradient(
+                row_head(row_hidden(teacher.spec, teacher.params, batch), batch)[0])
         div_BxT, ce_BxT, nll_BxT, correct_BxT = chunked_pair_head(
-            spec.logits, params, hidden_BxTxD[:, :-1], teacher.spec.logits, teacher.params,
-            teacher_BxTxD[:, :-1], targets_BxT, stats)
+            spec.logits, head_params(spec, params), head_BxTxD, teacher.spec.logits,
+            head_params(teacher.spec, teacher.params), teacher_BxTxD, targets_BxT, stats)
         loss_sum = (((1.0 - weight) * div_BxT + weight * ce_BxT) * mask_BxT).sum()
         metrics = {"loss": loss_sum / norm, name: (div_BxT * mask_BxT).sum() / norm,
                    "nll": (nll_BxT * mask_BxT).sum() / norm,

@@ -15,17 +15,46 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from gpurl.algorithms.objective import Batch
 from gpurl.data.packing import is_packed
 from gpurl.kernels.logprob import chunked_pair_head, chunked_token_logprobs
+from gpurl.models.axes import logical_spec
+from gpurl.models.layers import constrain_blocks, layout, split_tokens
 from gpurl.models.transformer import SHARED_PREFIX
 
 
 def shifted_targets(batch: Batch) -> tuple[jax.Array, jax.Array]:
     """Targets for logits[:, :-1]: token t+1 and its loss weight (0 across packed segments,
-    since the first token of a segment carries no loss)."""
+    since the first token of a segment carries no loss); rows split over the context axis
+    (`gpurl.data.packing.split_token_rows`) carry theirs, B x C x T/C."""
+    if "targets" in batch:
+        return batch["targets"], batch["target_mask"]
     return batch["tokens"][:, 1:], batch["loss_mask"][:, 1:]
+
+
+def row_hidden(spec: Any, params: Any, batch: Batch) -> jax.Array:
+    """Final-norm hidden states of token rows (SFT, logit distillation), B x T x D; rows
+    split over the context axis run with their tokens split (`split_tokens`)."""
+    inputs = (batch["tokens"], batch["positions"], batch["segment_ids"])
+    if "targets" not in batch:
+        return spec.hidden(params, *inputs)[0]
+    with split_tokens():
+        return spec.hidden(params, *inputs)[0]
+
+
+def row_head(hidden_BxTxD: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the states that predict a token, their targets, their loss weights) of token rows:
+    every state but the last of each row; rows split over the context axis: each
+    device's own block of states (B x C rows of T/C), against `targets`."""
+    targets, mask = shifted_targets(batch)
+    if "targets" not in batch:
+        return hidden_BxTxD[:, :-1], targets, mask
+    b, blocks, t = targets.shape
+    head = constrain_blocks(hidden_BxTxD.reshape(b * blocks, t, hidden_BxTxD.shape[-1]))
+    return (head, constrain_blocks(targets.reshape(b * blocks, t)),
+            constrain_blocks(mask.reshape(b * blocks, t)))
 
 
 def token_logprobs(apply: Callable[..., jax.Array], params: Any, batch: Batch,
@@ -84,26 +113,24 @@ def _packed_states(spec: Any, params: Any, batch: Batch, replay: bool) -> jax.Ar
     routes = batch.get("pack/routes") if replay else None
     if routes is not None:  # B x Z x L x k -> L sparse layers x B x Z x k
         routes = jnp.moveaxis(routes, 2, 0)
-    hidden_BxZxD, _ = spec.hidden(params, batch["pack/tokens"], batch["pack/positions"],
-                                  batch["pack/segments"], SHARED_PREFIX, routes)
+    with split_tokens():  # over the context axis, where the mesh has one
+        hidden_BxZxD, _ = spec.hidden(params, batch["pack/tokens"], batch["pack/positions"],
+                                      batch["pack/segments"], SHARED_PREFIX, routes)
     return hidden_BxZxD
 
 
-def _unpack(values_BxZ: jax.Array, batch: Batch, start: str, width: int,
-            lengths: jax.Array) -> jax.Array:
-    """P x G x `width` numbers of each completion from packed B x Z ones: column
-    `start` + j of its row for j < `lengths`, and 0 past them and for a completion whose
+def _unpack(values_BxZ: jax.Array, batch: Batch, cols: str, lengths: jax.Array) -> jax.Array:
+    """P x G x W numbers of each completion from packed B x Z ones: column `batch[cols]`
+    (P x G x W) of its row for j < `lengths`, and 0 past them and for a completion whose
     row is -1 (in another micro-batch, `gpurl.data.packing.micro_batch`): nothing is read
     from slots that belong to other completions, so no value but 0 ever stands in for
     one (an unrelated slot's log-prob could overflow exp() in a ratio or KL)."""
-    row_PxG = batch["pack/row"]
-    p, g = row_PxG.shape
-    j = jnp.arange(width, dtype=jnp.int32)
-    col_PxGxN = jnp.minimum(batch[start][..., None] + j, values_BxZ.shape[1] - 1)
-    flat = (jnp.maximum(row_PxG, 0)[..., None] * values_BxZ.shape[1] + col_PxGxN).reshape(-1)
-    out = values_BxZ.reshape(-1)[flat].reshape(p, g, width)
-    here_PxGxN = (row_PxG >= 0)[..., None] & (j < lengths[..., None])
-    return jnp.where(here_PxGxN, out, 0.0)
+    row_PxG, col_PxGxW = batch["pack/row"], batch[cols]
+    j = jnp.arange(col_PxGxW.shape[-1], dtype=jnp.int32)
+    flat = jnp.maximum(row_PxG, 0)[..., None] * values_BxZ.shape[1] + col_PxGxW
+    out = values_BxZ.reshape(-1)[flat.reshape(-1)].reshape(col_PxGxW.shape)
+    here_PxGxW = (row_PxG >= 0)[..., None] & (j < lengths[..., None])
+    return jnp.where(here_PxGxW, out, 0.0)
 
 
 def state_values(fn: Callable[[jax.Array], jax.Array], states: jax.Array,
@@ -114,7 +141,7 @@ def state_values(fn: Callable[[jax.Array], jax.Array], states: jax.Array,
     p, g, n = batch["completions"].shape
     if not is_packed(batch):
         return fn(states).reshape(p, g, n + 1)
-    return _unpack(fn(states), batch, "pack/start", n + 1, batch["completion_lengths"] + 1)
+    return _unpack(fn(states), batch, "pack/state_cols", batch["completion_lengths"] + 1)
 
 
 def _head_rows(states: jax.Array, batch: Batch
@@ -124,12 +151,37 @@ def _head_rows(states: jax.Array, batch: Batch
     state but the last of each row; packed: each row's `pack/head` slots."""
     p, g, n = batch["completions"].shape
     if is_packed(batch):
-        head_BxCxD = jnp.take_along_axis(states, batch["pack/head"][..., None], axis=1)
+        # each context block's own states: rows x blocks are the head's rows, so every
+        # device runs the head on the slots it holds (one block when there is no context axis)
+        b, blocks, h = batch["pack/head"].shape
+        z = batch["pack/tokens"].shape[1]
+        head_BCxHxD = jnp.take_along_axis(
+            constrain_blocks(states.reshape(b * blocks, z // blocks, states.shape[-1])),
+            constrain_blocks(batch["pack/head"].reshape(b * blocks, h))[..., None], axis=1)
+        targets_BCxH = constrain_blocks(batch["pack/targets"].reshape(b * blocks, h))
         lengths = batch["completion_lengths"]
-        return (head_BxCxD, batch["pack/targets"],
-                lambda x_BxC: _unpack(x_BxC, batch, "pack/head_start", n, lengths))
+        return (head_BCxHxD, targets_BCxH,
+                lambda x_BCxH: _unpack(x_BCxH.reshape(b, -1), batch, "pack/head_cols", lengths))
     return (states[:, :-1], batch["completions"].reshape(p * g, n),
             lambda x_BxN: x_BxN.reshape(p, g, n))
+
+
+def head_params(spec: Any, params: Any) -> Any:
+    """`params` with the output head's weight (the embedding when tied) gathered whole
+    along its model dimension (the `embed` rule's axes: fsdp, context), once, before the
+    chunked head's loop: inside it XLA gathers the weight again for every chunk (a
+    vocabulary-sized all-gather per 512 tokens, forward and backward), which made most
+    of a long-context step's interconnect traffic. The weight stays split over the
+    vocabulary's axis (tp); its gradient is reduced once. Outside a `sharded_rows`
+    trace, `params` as they are."""
+    current = layout()
+    key = "embed" if spec.cfg.tie_embeddings else "lm_head"
+    if current is None or not current.rules or not isinstance(params, dict) or key not in params:
+        return params
+    weight, mesh = params[key], current.rows.mesh
+    rules = {**current.rules, "embed": ()}
+    whole = NamedSharding(mesh, logical_spec(spec.logical_axes[key], weight.shape, rules, mesh))
+    return {**params, key: jax.lax.with_sharding_constraint(weight, whole)}
 
 
 def states_logprobs(spec: Any, params: Any, states_BxN1xD: jax.Array, batch: Batch,
@@ -141,7 +193,7 @@ def states_logprobs(spec: Any, params: Any, states_BxN1xD: jax.Array, batch: Bat
     Packed rows: the states of each row's `pack/head` slots, against `pack/targets`."""
     head_BxCxD, targets_BxC, back = _head_rows(states_BxN1xD, batch)
     logp_BxC, entropy_BxC = chunked_token_logprobs(
-        spec.logits, params, head_BxCxD, targets_BxC, temperature or 1.0,
+        spec.logits, head_params(spec, params), head_BxCxD, targets_BxC, temperature or 1.0,
         chunk_size=chunk_size, differentiable_entropy=differentiable_entropy)
     return back(logp_BxC), back(entropy_BxC)
 
@@ -156,7 +208,8 @@ def states_pair(spec: Any, params: Any, states: jax.Array, teacher: Any, teacher
     tokens x vocabulary array exists; only the student's side carries a gradient."""
     head_BxCxD, targets_BxC, back = _head_rows(states, batch)
     teacher_BxCxD = _head_rows(teacher_states, batch)[0]
-    out = chunked_pair_head(spec.logits, params, head_BxCxD, teacher.spec.logits, teacher.params,
+    out = chunked_pair_head(spec.logits, head_params(spec, params), head_BxCxD,
+                            teacher.spec.logits, head_params(teacher.spec, teacher.params),
                             teacher_BxCxD, targets_BxC, stats, chunk_size)
     return tuple(back(x) for x in out)
 

@@ -28,7 +28,7 @@ from gpurl.models.loading import PACKAGED
 from gpurl.models.transformer import remat_policy
 from gpurl.train import efficiency
 from gpurl.train.loop import build
-from gpurl.train.plan import GIB, ProgramPlan, memory_plan
+from gpurl.train.plan import GIB, ProgramPlan, advice, memory_plan
 from gpurl.train.stepper import Setup
 
 # plan.devices without plan.device_memory_gb: the simulated devices are GPUs of this size
@@ -124,4 +124,7 @@ def plan(cfg: Config) -> list[ProgramPlan]:
         print(f"[gpurl] plan: {'fits' if all(p.fits for p in plans) else 'does NOT fit'} "
               f"(largest program: {worst.name}, {worst.total / GIB:.2f} of "
               f"{worst.limit / GIB:.1f} GiB per device)", flush=True)
+        for p in plans:
+            if not p.fits:
+                print(f"[gpurl] plan: {advice(cfg, p)}", flush=True)
     return plans

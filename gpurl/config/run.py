@@ -88,9 +88,11 @@ class TrainConfig:
     # model, policy) runs on packed rows: completions end to end, each group's prompt once
     # per row, no padding slots beyond bucket rounding; false = the padded P x G x N layout
     packed: bool = True
-    # packed: tokens per micro-batch on each batch shard (rows of the batch's row length
-    # that fit; at least one row); 0 = as many as one padded micro-batch holds
-    # (micro_batch_size x G x (prompt width + completion width) / batch shards; pairs: G = 2)
+    # packed: tokens per micro-batch on each device (rows of the batch's row length that
+    # fit, a row counting its share Z / mesh.context; at least one row); 0 = auto: as many
+    # as one padded micro-batch holds (micro_batch_size x G x (prompt width + completion
+    # width) / batch shards; pairs: G = 2), lowered by the memory plan until the train step
+    # fits (plan.check)
     micro_batch_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -120,7 +122,9 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)  # stop strings besides EOS; "\n" and "\t" mean newline and tab
     slots: int = 64  # requests decoding at once per rollout data shard; the rest wait in a queue
     block_size: int = 64  # tokens per block of the paged KV cache
-    kv_cache_tokens: int = 0  # KV cache cap per data shard, in tokens; 0 = the requests' worst case
+    # KV cache cap per data shard, in tokens; 0 = auto: the requests' worst case, capped by
+    # the memory plan (plan.check) to what fits beside the weights (fewer rows decode at once)
+    kv_cache_tokens: int = 0
     decode_chunk: int = 16  # decode steps per device call between two scheduling rounds
     # `async` is a Python keyword: the YAML key is `async`, the field `async_`.
     async_: bool = False  # overlap the next rollout with training (split placement)
@@ -175,6 +179,10 @@ class MeshConfig:
     fsdp: int = 1  # trainer fully-sharded axis (parameters and optimizer state sharded)
     tp: int = 1  # trainer tensor-parallel axis
     expert: int = 1  # trainer expert-parallel axis: a mixture-of-experts model's experts are split over it (batch rows too)
+    # trainer context-parallel axis: every packed row's tokens are split over it (each device
+    # a balanced share of the causal attention; keys and values all-gathered per layer), and
+    # parameters with them like fsdp; for sequences longer than one device's activations hold
+    context: int = 1
     placement: str = "colocated"  # colocated (rollout and trainer share devices) or split
     rollout_devices: int = 0  # split placement: devices given to rollout
     # rollout mesh tensor-parallel axis (its data axis takes the rest): a size, or auto: of
@@ -183,9 +191,11 @@ class MeshConfig:
     rollout_tp: str = "auto"
     # logical axis -> mesh axes, for training; an axis missing here is replicated. The
     # expert axis splits experts (expert parallelism) and, like fsdp, batch rows and the
-    # other weights (which mixture-of-experts layers have few of)
+    # other weights (which mixture-of-experts layers have few of); the context axis splits
+    # packed rows' tokens (never rows) and, like fsdp, the weights
     train_rules: dict[str, list[str]] = field(default_factory=lambda: {
-        "batch": ["data", "fsdp", "expert"], "embed": ["fsdp", "expert"], "vocab": ["tp"],
+        "batch": ["data", "fsdp", "expert"], "embed": ["fsdp", "context", "expert"],
+        "vocab": ["tp"],
         "mlp": ["tp"], "heads": ["tp"], "kv_heads": ["tp"], "expert": ["expert"],
         "expert_mlp": ["tp"]})
     # logical axis -> rollout mesh axes (data, tp): parameters replicated over data
@@ -196,18 +206,23 @@ class MeshConfig:
     def __post_init__(self) -> None:
         _tuplify(self)
         _choice("mesh.placement", self.placement, Placement)
-        for key in ("data", "fsdp", "expert", "tp"):
+        for key in ("data", "fsdp", "context", "expert", "tp"):
             value = getattr(self, key)
             if value == 0 or value < -1:
                 raise ConfigError(f"mesh.{key}={value} is not valid; use a positive size or -1 to fill.")
-        if [self.data, self.fsdp, self.expert, self.tp].count(-1) > 1:
-            raise ConfigError("Only one of mesh.data, mesh.fsdp, mesh.expert, mesh.tp may be -1; "
-                              "set the others.")
+        if self.context != -1 and (self.context & (self.context - 1) or self.context > 32):
+            raise ConfigError(f"mesh.context={self.context} is not valid; use a power of two up "
+                              f"to 32 (a packed row's length is a power of two split in 2 x "
+                              f"mesh.context chunks).")
+        if [self.data, self.fsdp, self.context, self.expert, self.tp].count(-1) > 1:
+            raise ConfigError("Only one of mesh.data, mesh.fsdp, mesh.context, mesh.expert, mesh.tp "
+                              "may be -1; set the others.")
         if str(self.rollout_tp) != "auto" and not (str(self.rollout_tp).isdigit()
                                                    and int(self.rollout_tp) > 0):
             raise ConfigError(f"mesh.rollout_tp={self.rollout_tp} is not valid; use a positive "
                               f"size or auto.")
-        for key, axes in (("train_rules", {"data", "fsdp", "expert", "tp"}), ("sample_rules", {"data", "tp"})):
+        for key, axes in (("train_rules", {"data", "fsdp", "context", "expert", "tp"}),
+                          ("sample_rules", {"data", "tp"})):
             bad = {a for names in getattr(self, key).values() for a in names} - axes
             if bad:
                 raise ConfigError(f"mesh.{key} names unknown mesh axes {sorted(bad)}; "

@@ -150,6 +150,9 @@ class Hints:
 
     kv_tokens: float = 0.0
     group: int = 0  # query heads per KV head (the kernel pads them to 16 rows); 0: as given
+    # devices a packed row is split over (mesh.context): a flash call whose keys are its
+    # queries times this is a context-split self-attention, causal like an unsplit one
+    context: int = 1
 
 
 @dataclass
@@ -157,10 +160,12 @@ class Cost:
     flops: float = 0.0
     bytes: float = 0.0
     by_kind: dict[str, float] = field(default_factory=dict)  # bytes by what moved them
+    link: float = 0.0  # bytes one device sends or receives over the interconnect (collectives)
 
     def add(self, other: Cost, times: float = 1.0) -> None:
         self.flops += other.flops * times
         self.bytes += other.bytes * times
+        self.link += other.link * times
         for k, v in other.by_kind.items():
             self.by_kind[k] = self.by_kind.get(k, 0.0) + v * times
 
@@ -168,6 +173,21 @@ class Cost:
         self.bytes += nbytes
         self.flops += flops
         self.by_kind[kind] = self.by_kind.get(kind, 0.0) + nbytes
+
+
+def _link_bytes(op: str, read: float, written: float) -> float:
+    """Bytes a collective moves over the interconnect per device (an upper bound, as if
+    the group were large): an all-gather receives what it did not hold (its output less
+    its input; an async start's output holds both), a reduce-scatter sends what it does
+    not keep, an all-reduce (a ring: reduce-scatter then all-gather) about twice its
+    size, an all-to-all or a permute its whole buffer."""
+    if op.startswith("all-gather"):
+        return max(written - 2 * read, 0.0) if op.endswith("start") else max(written - read, 0.0)
+    if op.startswith("reduce-scatter"):
+        return max(read - written, 0.0)
+    if op.startswith("all-reduce"):
+        return 2.0 * read
+    return read
 
 
 def _dot_flops(ins: Instr, shapes: dict[str, list[Array]]) -> float:
@@ -325,6 +345,7 @@ class Account:
         elif op.startswith(COLLECTIVES):
             moved = sum(a.bytes for a in reads) + ins.bytes
             cost.charge("collectives", moved)
+            cost.link += _link_bytes(op, sum(a.bytes for a in reads), ins.bytes)
         elif op == "dot":
             cost.charge("matmuls", sum(a.bytes for a in reads) + ins.bytes, _dot_flops(ins, shapes))
         else:
@@ -428,7 +449,7 @@ class Account:
         elif "gpurl_paged_decode" in ins.attrs:
             cost.charge("attention", *self._paged(ins, shapes))
         elif "gpurl_flash" in ins.attrs:
-            cost.charge("attention", moved, _flash_flops(ins, shapes))
+            cost.charge("attention", moved, _flash_flops(ins, shapes, self.hints.context))
         else:
             cost.charge("other", moved)
 
@@ -465,15 +486,17 @@ def _cudnn_flops(ins: Instr, shapes: dict[str, list[Array]], target: str) -> flo
     return flops * (2.5 if target.endswith("Backward") else 1.0)
 
 
-def _flash_flops(ins: Instr, shapes: dict[str, list[Array]]) -> float:
+def _flash_flops(ins: Instr, shapes: dict[str, list[Array]], context: int = 1) -> float:
     """The Pallas flash kernels (gpurl_flash_fwd, _dq, _dkv; q B x T x H x D, keys B x S x
     K x D): a forward's 4 x B x H x T x S x D, half when causal (the kernel skips masked
-    blocks; self-attention here is causal), or the backward kernels' (dq recomputes the
-    scores and runs dP and dQ: 1.5x; dkv the scores, dP, dV and dK: 2x)."""
+    blocks; self-attention here is causal, split over `context` devices or not: a device's
+    balanced share of a row sees half of the gathered keys), or the backward kernels' (dq
+    recomputes the scores and runs dP and dQ: 1.5x; dkv the scores, dP, dV and dK: 2x)."""
     q, k = shapes[ins.operands[0]][0].dims, shapes[ins.operands[1]][0].dims
     if len(q) != 4 or len(k) != 4:
         return 0.0
-    flops = 4.0 * math.prod(q) * k[1] / (2 if q[1] == k[1] else 1)
+    causal = q[1] == k[1] or (context > 1 and k[1] == q[1] * context)
+    flops = 4.0 * math.prod(q) * k[1] / (2 if causal else 1)
     if "gpurl_flash_dq" in ins.attrs:
         return flops * 1.5
     if "gpurl_flash_dkv" in ins.attrs:

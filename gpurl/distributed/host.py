@@ -94,9 +94,27 @@ def any_process(flag: bool) -> bool:
 
 def to_device(local: np.ndarray, sharding: Sharding) -> jax.Array:
     """The global array whose rows on this process are `local` (every process passes its
-    own rows, in process order)."""
+    own rows, in process order). Where `sharding` does not split rows by process (a mesh
+    whose row axes do not span the processes: a tensor or context axis across them), every
+    process's devices need other processes' rows too, so the rows are gathered first (a
+    host collective); without that each process would take its own rows for all of them."""
     counts["to_device"] += 1
+    if jax.process_count() > 1 and not _rows_by_process(sharding, local.shape[0]):
+        whole = np.asarray(multihost_utils.process_allgather(local, tiled=True))
+        return jax.make_array_from_callback(whole.shape, sharding, lambda idx: whole[idx])
     return jax.make_array_from_process_local_data(sharding, local)
+
+
+def _rows_by_process(sharding: Sharding, rows: int) -> bool:
+    """Whether this process's devices hold exactly rows [p x rows, (p + 1) x rows) of the
+    global array (`rows` per process, every process the same)."""
+    total = rows * jax.process_count()
+    start = jax.process_index() * rows
+    held = set()
+    for index in sharding.addressable_devices_indices_map((total,)).values():
+        row = index[0]
+        held.update(range(row.start or 0, total if row.stop is None else row.stop))
+    return held == set(range(start, start + rows))
 
 
 def local_rows(array: jax.Array) -> list[tuple[int, np.ndarray]]:

@@ -22,7 +22,7 @@ from gpurl.models.axes import Rules, logical_spec, tree_shardings
 
 __all__ = ["Rules", "logical_spec", "tree_shardings"]  # re-exported: imported from here too
 
-TRAIN_AXES = ("data", "fsdp", "expert", "tp")
+TRAIN_AXES = ("data", "fsdp", "context", "expert", "tp")
 
 _DEVICES: contextvars.ContextVar[list[jax.Device] | None] = contextvars.ContextVar(
     "devices", default=None)
@@ -45,19 +45,22 @@ def using_devices(chosen: list[jax.Device]) -> Iterator[None]:
 
 
 def trainer_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """(data, fsdp, expert, tp) mesh over all devices; one size may be -1 to take what is left."""
+    """(data, fsdp, context, expert, tp) mesh over all devices; one size may be -1 to take
+    what is left."""
     devices = job_devices() if devices is None else list(devices)
-    sizes = [cfg.data, cfg.fsdp, cfg.expert, cfg.tp]
+    sizes = [cfg.data, cfg.fsdp, cfg.context, cfg.expert, cfg.tp]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % fixed:
             raise ConfigError(
-                f"mesh sizes data={cfg.data} fsdp={cfg.fsdp} expert={cfg.expert} tp={cfg.tp} do not fit "
+                f"mesh sizes data={cfg.data} fsdp={cfg.fsdp} context={cfg.context} "
+                f"expert={cfg.expert} tp={cfg.tp} do not fit "
                 f"{len(devices)} devices; make the fixed sizes divide the device count.")
         sizes[sizes.index(-1)] = len(devices) // fixed
     if math.prod(sizes) != len(devices):
         raise ConfigError(
-            f"mesh.data*mesh.fsdp*mesh.expert*mesh.tp = {math.prod(sizes)} but there are {len(devices)} "
+            f"mesh.data*mesh.fsdp*mesh.context*mesh.expert*mesh.tp = {math.prod(sizes)} but there "
+            f"are {len(devices)} "
             f"devices; choose sizes whose product is {len(devices)} (or set one to -1).")
     return Mesh(np.asarray(devices).reshape(sizes), TRAIN_AXES)
 
@@ -113,6 +116,15 @@ def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     """Rows of a batch are split over the `batch` rule's axes (data and fsdp)."""
     axes = tuple(a for a in rules.get("batch", ()) if mesh.shape[a] > 1)
     return NamedSharding(mesh, P(axes if axes else None))
+
+
+def packed_spec(batch: NamedSharding) -> P:
+    """The spec of packed rows' arrays (rows x tokens, or rows x context blocks): rows
+    like `batch`, tokens over the context axis when the mesh has one."""
+    rows = batch.spec[0] if batch.spec else None
+    if batch.mesh.shape.get("context", 1) > 1:
+        return P(rows, "context")
+    return P(rows)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -48,6 +48,9 @@ class Gpu:
     smem_per_sm: int  # shared memory per SM, bytes
     smem_per_block_optin: int  # shared memory one block may opt in to, bytes
     bf16_flops: float = 0.0  # dense bf16 (fp16 before Ampere) tensor-core peak, flop/s
+    # NVLink bandwidth of one GPU in one direction, bytes/s (NVIDIA's data sheets: 900 GB/s
+    # both ways on H100/H200 SXM, 600 on A100 SXM, 300 on V100 SXM2)
+    link_bandwidth: float = 0.0
 
     def target_config(self) -> str:
         """The text `GpuTargetConfigProto` XLA compiles for (a CUDA device query's figures;
@@ -80,17 +83,18 @@ _HOPPER = dict(capability=(9, 0), sms=132, fp32_per_sm=128, clock_ghz=1.98, l2_b
                smem_per_sm=233_472, smem_per_block_optin=232_448)
 GPUS: dict[str, Gpu] = {
     "h100": Gpu("NVIDIA H100 80GB HBM3", memory_bytes=84_978_434_048,
-                bandwidth=3_352_320_000_000, bf16_flops=989.4e12, **_HOPPER),
+                bandwidth=3_352_320_000_000, bf16_flops=989.4e12, link_bandwidth=450e9,
+                **_HOPPER),
     "h200": Gpu("NVIDIA H200", memory_bytes=143_771 * 2**20, bandwidth=4_800_000_000_000,
-                bf16_flops=989.4e12, **_HOPPER),
+                bf16_flops=989.4e12, link_bandwidth=450e9, **_HOPPER),
     "a100": Gpu("NVIDIA A100-SXM4-80GB", capability=(8, 0), sms=108, fp32_per_sm=64,
                 clock_ghz=1.41, memory_bytes=85_100_068_864, bandwidth=2_039_040_000_000,
                 l2_bytes=40 * 2**20, smem_per_sm=167_936, smem_per_block_optin=166_912,
-                bf16_flops=312e12),
+                bf16_flops=312e12, link_bandwidth=300e9),
     "v100": Gpu("Tesla V100-SXM2-16GB", capability=(7, 0), sms=80, fp32_per_sm=64,
                 clock_ghz=1.53, memory_bytes=16_935_419_904, bandwidth=898_048_000_000,
                 l2_bytes=6 * 2**20, smem_per_sm=98_304, smem_per_block_optin=98_304,
-                bf16_flops=125e12),
+                bf16_flops=125e12, link_bandwidth=150e9),
 }
 
 

@@ -121,6 +121,7 @@ class Shards:
     mesh: Mesh
     rows: Any  # a mesh axis name, a tuple of them, or None
     heads: Any = None
+    context: str | None = None  # the axis the tokens (axis 1) are split over (`context_attention`)
 
     def spec(self, ndim: int, heads: int | None = None, rows_axis: int = 0) -> P:
         axes: list[Any] = [None] * ndim
@@ -162,18 +163,75 @@ def attention(
     if implementation not in _IMPLEMENTATIONS:
         implementation = resolve(implementation)
     if implementation == "cudnn":
-        reason = _cudnn_unsupported(q_BxTxHxE, k_BxSxKxE, softcap, contiguous)
+        reason = ("tokens split over a context axis (cuDNN's mask is index based)"
+                  if shards is not None and shards.context is not None else
+                  _cudnn_unsupported(q_BxTxHxE, k_BxSxKxE, softcap, contiguous))
         if reason:
             _log_once(f"attention: cudnn -> pallas for calls with {reason}.")
             implementation = "pallas"
     args = (q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, q_positions_BxT, q_segments_BxT,
             kv_positions_BxS, kv_segments_BxS)
+    if shards is not None and shards.context is not None:
+        return context_attention(*args, scale=scale, softcap=softcap, window=window,
+                                 implementation=implementation, shards=shards)
     fn = functools.partial(_IMPLEMENTATIONS[implementation], scale=scale, softcap=softcap,
                            window=window, contiguous=contiguous, shared_prefix=shared_prefix)
     if implementation == "pallas" and shards is not None:
         qkv, rows = shards.spec(4, heads=2), shards.spec(2)
         return shards.run(fn, (qkv, qkv, qkv, rows, rows, rows, rows), qkv, *args)
     return fn(*args)
+
+
+def context_attention(q_BxTxHxE: jax.Array, k_BxTxKxE: jax.Array, v_BxTxKxE: jax.Array,
+                      q_positions_BxT: jax.Array, q_segments_BxT: jax.Array,
+                      kv_positions_BxT: jax.Array, kv_segments_BxT: jax.Array, *,
+                      scale: float, softcap: float | None, window: int | None,
+                      implementation: str, shards: Shards) -> jax.Array:
+    """Self-attention of packed rows whose tokens are split over the `shards.context` mesh
+    axis in `gpurl.data.packing.balanced_order` (device c holds the row's natural chunks c
+    and 2C - 1 - c of 2C): each device all-gathers the row's keys, values, positions and
+    segments and attends with its own queries (Llama 3's context parallelism, Dubey et
+    al. 2024, section 3.3.2: it composes with any mask, shared prefixes included, because
+    the mask is read from positions and segments, never from indices). Backward, the
+    gather's transpose sums each key's gradient onto the device that holds it.
+
+    All-gather rather than a ring: a ring passes each key block C - 1 times with compute
+    in between, which pays when the transfer of a layer's keys outlasts its attention;
+    with grouped-query attention keys and values are a small share of a layer's traffic
+    (K / H of the queries), so one gather per layer is cheaper to schedule and to
+    account for (docs/scaling.md, "The context axis").
+
+    `xla`: the first chunk's queries (natural chunk c < C) see only keys of the first half
+    of the row, so they attend to it alone, and the second chunk's to all keys: 3/4 of the
+    dense pairs, 1.5x the causal ones. `pallas` (and `cudnn`, whose index-based mask
+    cannot describe a split row) run the flash kernel, which skips key blocks no query of
+    a block can see."""
+    axis, mesh = shards.context, shards.mesh
+    width = mesh.shape[axis]
+    if implementation == "cudnn":
+        implementation = "pallas"
+    fn = functools.partial(_IMPLEMENTATIONS[implementation], scale=scale, softcap=softcap,
+                           window=window)
+
+    def local(q, k, v, q_pos, q_seg, kv_pos, kv_seg):
+        keys = [jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, kv_pos, kv_seg)]
+        if implementation != "xla":
+            return fn(q, *keys[:2], q_pos, q_seg, *keys[2:])
+        half = q.shape[1] // 2
+        early = [x.reshape(x.shape[0], width, 2, half, *x.shape[2:])[:, :, 0].reshape(
+            x.shape[0], width * half, *x.shape[2:]) for x in keys]  # natural chunks 0..C-1
+        first = _chunked(q[:, :half], q_pos[:, :half], q_seg[:, :half], *early[:2], *early[2:],
+                         scale=scale, softcap=softcap, window=window, remat=True)
+        second = _chunked(q[:, half:], q_pos[:, half:], q_seg[:, half:], *keys[:2], *keys[2:],
+                          scale=scale, softcap=softcap, window=window, remat=True)
+        return jnp.concatenate([first, second], axis=1)
+
+    qkv = P(shards.rows, axis, shards.heads, None)
+    rows = P(shards.rows, axis)
+    return jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, rows, rows, rows, rows),
+                         out_specs=qkv, check_vma=False)(
+        q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, q_positions_BxT, q_segments_BxT, kv_positions_BxT,
+        kv_segments_BxT)
 
 
 # fp32 attention logits of one query chunk of `xla` (B x H x chunk x S); see `query_chunk`.

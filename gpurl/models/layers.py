@@ -39,6 +39,9 @@ class Layout:
 
 
 _LAYOUT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("layout", default=None)
+_SPLIT_TOKENS: contextvars.ContextVar[bool] = contextvars.ContextVar("split_tokens", default=False)
+
+CONTEXT = "context"  # the trainer mesh's axis that packed rows' tokens are split over
 
 
 @contextlib.contextmanager
@@ -60,11 +63,57 @@ def layout() -> Layout | None:
     return _LAYOUT.get()
 
 
+@contextlib.contextmanager
+def split_tokens() -> Iterator[None]:
+    """Forward passes traced inside this block run on packed rows whose tokens (axis 1)
+    are split over the mesh's context axis (`context_axis`), when it has one: every
+    per-token layer stays on its device and attention gathers the keys it needs."""
+    token = _SPLIT_TOKENS.set(True)
+    try:
+        yield
+    finally:
+        _SPLIT_TOKENS.reset(token)
+
+
+def context_axis() -> str | None:
+    """The mesh axis the traced forward's tokens are split over: `CONTEXT` inside
+    `split_tokens` on a mesh where it has more than one device, else None."""
+    current = _LAYOUT.get()
+    if current is None or not _SPLIT_TOKENS.get():
+        return None
+    mesh = current.rows.mesh
+    return CONTEXT if mesh.shape.get(CONTEXT, 1) > 1 else None
+
+
+def _row_axes(current: Layout) -> Any:
+    spec = current.rows.spec
+    return spec[0] if spec else None
+
+
 def constrain_rows(x: jax.Array) -> jax.Array:
-    """`x` (rows first) with its rows sharded as `sharded_rows` says; other axes free."""
+    """`x` (rows first) with its rows sharded as `sharded_rows` says, and its tokens (axis
+    1) over the context axis inside `split_tokens`; other axes free."""
     current = _LAYOUT.get()
     if current is None or x.ndim == 0:
         return x
-    rows = current.rows
-    spec = P(rows.spec[0] if rows.spec else None, *([P.UNCONSTRAINED] * (x.ndim - 1)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(rows.mesh, spec))
+    context = context_axis()
+    tokens = [context] if context is not None and x.ndim > 1 else []
+    rest = [P.UNCONSTRAINED] * (x.ndim - 1 - len(tokens))
+    spec = P(_row_axes(current), *tokens, *rest)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(current.rows.mesh, spec))
+
+
+def constrain_blocks(x: jax.Array) -> jax.Array:
+    """`x` whose axis 0 is packed rows x context blocks (each row's C blocks of tokens,
+    merged row-major): split over the rows' axes and then the context axis, so each
+    device keeps its own blocks (C = 1: `constrain_rows` without the context axis)."""
+    current = _LAYOUT.get()
+    if current is None:
+        return x
+    rows = _row_axes(current)
+    mesh = current.rows.mesh
+    axes = tuple(a for a in ((rows,) if isinstance(rows, str) else (rows or ())))
+    if mesh.shape.get(CONTEXT, 1) > 1:
+        axes += (CONTEXT,)
+    spec = P(axes or None, *([P.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

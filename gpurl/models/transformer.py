@@ -33,7 +33,7 @@ from gpurl.config import ModelConfig
 from gpurl.kernels import platform
 from gpurl.kernels.attention import Shards, attention, paged_attention, resolve
 from gpurl.models import lora
-from gpurl.models.layers import ACTIVATIONS, constrain_rows, layout, param as _param
+from gpurl.models.layers import ACTIVATIONS, constrain_rows, context_axis, layout, param as _param
 from gpurl.models import moe
 from gpurl.models.moe import MoE
 
@@ -56,8 +56,9 @@ def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
 
 
 def _kernel_shards(num_kv_heads: int) -> Shards | None:
-    """How the traced program splits attention's rows and heads (`sharded_rows` and its
-    rules' `kv_heads` axes), for the Pallas kernels; None when nothing is split."""
+    """How the traced program splits attention's rows, tokens and heads (`sharded_rows`,
+    `split_tokens` and its rules' `kv_heads` axes), for the Pallas kernels and the context
+    axis; None when nothing is split."""
     current = layout()
     if current is None:
         return None
@@ -66,7 +67,10 @@ def _kernel_shards(num_kv_heads: int) -> Shards | None:
     axes = [a for a in (current.rules or {}).get("kv_heads", ()) if mesh.shape[a] > 1]
     split = math.prod(mesh.shape[a] for a in axes)
     heads = None if not axes or num_kv_heads % split else (axes[0] if len(axes) == 1 else tuple(axes))
-    return None if rows is None and heads is None else Shards(mesh, rows, heads)
+    context = context_axis()
+    if rows is None and heads is None and context is None:
+        return None
+    return Shards(mesh, rows, heads, context)
 
 
 class RMSNorm(nnx.Module):

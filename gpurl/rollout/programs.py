@@ -153,10 +153,10 @@ class Programs(RolloutModel):
     def pool_bytes(self, rows: int, width: int) -> float:
         """Bytes per device of the KV pool (keys and values) of a round of `rows` requests
         per process with prompts of up to `width` tokens."""
-        pool = self._round_pool(rows, width)
+        pool = self.round_pool(rows, width)
         return 2.0 * math.prod(self.pool_sharding.shard_shape(pool.shape)) * pool.dtype.itemsize
 
-    def _round_pool(self, rows: int, width: int) -> jax.ShapeDtypeStruct:
+    def round_pool(self, rows: int, width: int) -> jax.ShapeDtypeStruct:
         """The KV pool (keys or values) of a round of `rows` requests per process."""
         live = min(-(-rows // self.local_shards), self.cfg.slots)
         blocks = request_blocks(width + self.cfg.max_new_tokens, self.block)
@@ -181,7 +181,7 @@ class Programs(RolloutModel):
         of such a round at their largest shapes (`compile_round` compiles them; the CUDA
         lowering tests lower them)."""
         blocks = request_blocks(width + self.cfg.max_new_tokens, self.block)
-        pool = self._round_pool(rows, width)
+        pool = self.round_pool(rows, width)
         params = self.abstract_params
         stops = jax.ShapeDtypeStruct((1, self.spec.cfg.vocab_size), jnp.bool_,
                                      sharding=replicated(self.mesh))

@@ -89,6 +89,11 @@ class ProgramAccount:
         rate = f"; <= {self.tokens / t:,.0f} tokens/s per GPU" if self.tokens and t else ""
         out.append(f"  roofline on {gpu.description}: {t * 1e3:.3f} ms ({self.bound_by(gpu)}-"
                    f"bound){rate}")
+        if self.cost.link and gpu.link_bandwidth:
+            link_s = self.cost.link / gpu.link_bandwidth
+            out.append(f"  interconnect: {self.cost.link / GB:.2f} GB per device by collectives "
+                       f"-> {link_s * 1e3:.3f} ms at NVLink's {gpu.link_bandwidth / GB:.0f} GB/s "
+                       f"({link_s / t:.2f}x the roofline time, hidden only where it overlaps)")
         return out + [f"  {n}" for n in self.notes]
 
 
@@ -187,7 +192,8 @@ def train_account(name: str, compiled: Any, spec: Any, batch: dict[str, Any], de
                   remat: str, lora: bool) -> ProgramAccount:
     """One call of the train step at the plan's batch shapes."""
     cfg = spec.policy.cfg
-    cost = Account(compiled.as_text()).program()
+    context = batch["pack/head"].shape[1] if "pack/head" in batch else 1
+    cost = Account(compiled.as_text(), Hints(context=context)).program()
     tokens, head, pairs = _train_tokens(cfg, batch)
     mm = matmul_params(spec.abstract_params, cfg)
     layers_fwd = 2 * mm * tokens + 4 * cfg.num_heads * cfg.head_dim * pairs
@@ -258,8 +264,9 @@ def accounts(cfg: Config, setup: Any, stepper: Any, plans: list[Any], gpu: Gpu) 
     steps = []
     for name, fn, args in stepper.programs():
         if name == "prepare":
+            hints = Hints(context=setup.place.mesh.shape.get("context", 1))
             prepare = ProgramAccount("prepare step", "call (the step's batch)", Account(
-                fn.lower(*args).compile().as_text()).program())
+                fn.lower(*args).compile().as_text(), hints).program())
             train_plan.account += prepare.lines(gpu)
             steps.append((prepare, 1.0))
     family = registry.get(cfg.algo.name).family

@@ -76,6 +76,14 @@ def _check_batch(cfg: Config, divisor: int) -> None:
             f"of the mesh; change train.batch_size/micro_batch_size or mesh.data/mesh.fsdp/mesh.expert.")
 
 
+def _check_context(cfg: Config, algorithm: registry.Algorithm) -> None:
+    """The context axis splits packed rows: RL and preference runs need train.packed
+    (SFT's rows are packed by data.packing)."""
+    if cfg.mesh.context > 1 and algorithm.family != Family.SFT and not cfg.train.packed:
+        raise ConfigError(f"mesh.context={cfg.mesh.context} splits packed rows; set "
+                          f"train.packed=true (or mesh.context=1).")
+
+
 def _router_defaults(model: ModelConfig, algorithm: registry.Algorithm) -> ModelConfig:
     """The algorithm's load-balancing coefficient where model.moe.aux_loss_coef is null."""
     if model.moe.aux_loss_coef is not None:
@@ -179,10 +187,15 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
     nothing is allocated on a device and no file is written (`gpurl plan` stops here)."""
     algorithm = registry.get(cfg.algo.name)
     stepper_cls = STEPPERS[algorithm.family]
+    _check_context(cfg, algorithm)
     mesh = trainer_mesh(cfg.mesh, stepper_cls.trainer_devices(cfg.mesh))
     _check_batch(cfg, batch_divisor(mesh, cfg.mesh.train_rules))
     model_cfg = _router_defaults(loading.resolve(cfg.model), algorithm)
     _check_experts(model_cfg, mesh, cfg.mesh.train_rules)
+    if model_cfg.moe.num_experts and cfg.mesh.context > 1:
+        raise ConfigError(f"mesh.context={cfg.mesh.context} does not split mixture-of-experts "
+                          f"models yet (their experts route a row's tokens on one device); "
+                          f"use mesh.context=1 with model={cfg.model.name}.")
     cfg = dataclasses.replace(cfg, model=model_cfg)  # config.yaml records the real architecture
     spec = algorithm.model(cfg.algo, model_cfg)
     objective = algorithm.objective(cfg.algo, cfg.rollout)
@@ -340,6 +353,9 @@ def _train(cfg: Config, stop: _Stop) -> dict[str, Any]:
             + (f"memory per device: {plan_summary(s.plans)}, " if s.plans else "")
             + (f"resuming from step {start}" if resumed else "starting at step 0")
             + f", run dir {s.run_dir}")
+        for p in s.plans:
+            for chosen in p.chosen:
+                sink.message(f"[gpurl] plan: {chosen}")
         step, last_eval = _run_steps(s, state, start, int(meta.get("nonfinite_skipped", 0)),
                                      sink, stop)
     finally:

@@ -9,17 +9,19 @@ sentence naming the largest part and the cheapest fixes, never a kill by the ker
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
+from gpurl.buckets import three_bits
 from gpurl.config import Config, ConfigError, PlanConfig
 from gpurl.distributed import host, layout, targets
 from gpurl.distributed.mesh import batch_divisor, held_bytes
@@ -84,6 +86,11 @@ class ProgramPlan:
     devices: int = 1  # devices of the program's mesh
     fsdp: int = 1  # of which along mesh.fsdp
     batch_shards: int = 1  # a micro-batch's rows are a multiple of it
+    context: int = 1  # devices along mesh.context
+    kv_tokens: int = 0  # the rollout's KV pool, in tokens per rollout data shard
+    kv_block: int = 0  # tokens per block of that pool
+    chosen: list[str] = field(default_factory=list)  # what the plan picked for an auto key
+    request_tokens: int = 0  # the rollout's longest request (prompt + completion)
     notes: list[str] = field(default_factory=list)
     analysis: dict[str, float] = field(default_factory=dict)  # XLA's: arguments, temp, outputs
     gpu_programs: list[Any] = field(default_factory=list, repr=False)  # compiled for a GPU
@@ -107,7 +114,8 @@ class ProgramPlan:
         lines += [f"  {name:<{width}}  {value / GIB:10.3f}" for name, value in rows]
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"  {'device memory':<{width}}  {self.limit / GIB:10.3f}  -> {verdict}")
-        notes = self.notes + ([kernel_note(self.gpu_programs)] if self.gpu_programs else [])
+        notes = (self.chosen + self.notes
+                 + ([kernel_note(self.gpu_programs)] if self.gpu_programs else []))
         lines += [f"  ({note})" for note in notes]
         lines += [f"  {line}" for line in self.account]
         return "\n".join(lines)
@@ -186,9 +194,12 @@ def plan_rollout(engine: Engine, rows: int, width: int, group: int, resident: fl
              "activations / scratch": max(temp + outputs - kv, 0.0),
              "inputs": max(args - params - kv, 0.0), "resident": resident}
     notes = ["resident: the train state beside the sampling program (colocated)"] if resident else []
+    pool = engine.round_pool(rows, width)
     return ProgramPlan("rollout", parts, compile_s, limit, notes=notes,
                        gpu_programs=_on_gpu(programs, engine.mesh),
-                       analysis={"arguments": args, "temp": temp, "outputs": outputs})
+                       analysis={"arguments": args, "temp": temp, "outputs": outputs},
+                       kv_tokens=pool.shape[2] * pool.shape[3], kv_block=pool.shape[3],
+                       request_tokens=width + engine.cfg.max_new_tokens)
 
 
 def memory_plan(cfg: Config, setup: Setup, stepper: Stepper) -> list[ProgramPlan]:
@@ -196,15 +207,77 @@ def memory_plan(cfg: Config, setup: Setup, stepper: Stepper) -> list[ProgramPlan
     step, and for RL the rollout round), nothing allocated."""
     local = [d for d in setup.place.mesh.devices.flat if d.process_index == jax.process_index()]
     limit, source = device_memory(cfg.plan, local[0])
-    train = plan_train_step(setup.step_fn, setup.place, stepper.batch_spec(), cfg.optim.freeze,
-                            stepper.resident_bytes(), limit, setup.teacher)
-    plans = [train] + [p for p in [stepper.rollout_plan(limit)] if p is not None]
+
+    def train_plan() -> ProgramPlan:
+        return plan_train_step(setup.step_fn, setup.place, stepper.batch_spec(), cfg.optim.freeze,
+                               stepper.resident_bytes(), limit, setup.teacher)
+
+    train = train_plan()
+    if cfg.train.micro_batch_tokens == 0 and cfg.train.packed and hasattr(stepper, "budget"):
+        train = _fit_budget(stepper, train, train_plan)
+    rollout = stepper.rollout_plan(limit)
+    if rollout is not None and cfg.rollout.kv_cache_tokens == 0:
+        rollout = _fit_pool(stepper, rollout, limit)
+    plans = [train] + [p for p in [rollout] if p is not None]
     mesh = setup.place.mesh  # the rollout's resident part is the train state: its mesh
     for p in plans:
         p.devices, p.fsdp = mesh.size, mesh.shape["fsdp"]
         p.batch_shards = batch_divisor(mesh, cfg.mesh.train_rules)
+        p.context = mesh.shape["context"]
         p.notes.append(f"device memory: {source}")
     return plans
+
+
+def _fit_budget(stepper: Stepper, plan: ProgramPlan,
+                replan: Callable[[], ProgramPlan]) -> ProgramPlan:
+    """train.micro_batch_tokens=0 (auto): the padded micro-batch's budget, or, when the
+    train step's activations do not fit beside the rest, the largest budget that does
+    (activations scale with a micro-batch's tokens; at least one row; up to three
+    compiles to confirm), said in the plan's `chosen`."""
+    first = stepper.budget
+    for _ in range(3):
+        if plan.fits or plan.largest()[0] != "activations / scratch":
+            break
+        tokens = _micro_tokens(stepper)
+        act = plan.parts["activations / scratch"]
+        room = plan.limit - (plan.total - act)
+        budget = max(int(0.9 * room / (act / tokens)), 1) if room > 0 else 1
+        if budget >= stepper.budget:
+            budget = max(stepper.budget // 2, 1)
+        if stepper.budget == 1:
+            break
+        stepper.budget = budget
+        plan = replan()
+    if stepper.budget != first:
+        plan.chosen.append(f"train.micro_batch_tokens=0 (auto) -> {stepper.budget:,} tokens per "
+                           f"micro-batch and device ({_micro_tokens(stepper):,} planned at the "
+                           f"longest rows; the padded micro-batch's {first:,} did not fit)")
+    return plan
+
+
+def _micro_tokens(stepper: Stepper) -> int:
+    """Tokens per device of the planned micro-batch (rows of the longest length)."""
+    rows, length = stepper.batch_spec()["pack/tokens"].shape
+    return max(rows // stepper.shards * length // stepper.context, 1)
+
+
+def _fit_pool(stepper: Stepper, plan: ProgramPlan, limit: float) -> ProgramPlan:
+    """rollout.kv_cache_tokens=0 (auto): the pool for every slot's longest request, or,
+    when it does not fit beside the rest, the largest cap that does (`_kv_cap`; the
+    scheduler queues the requests the pool cannot hold), said in the plan's `chosen`."""
+    if plan.fits or plan.largest()[0] != "KV cache" or not plan.kv_tokens:
+        return plan
+    cap = _kv_cap(plan, plan.limit - (plan.total - plan.parts["KV cache"]))
+    if cap < plan.request_tokens:
+        return plan  # not one request: the advice says what else to change
+    engine = stepper.engine
+    engine.cfg = dataclasses.replace(engine.cfg, kv_cache_tokens=cap)
+    new = stepper.rollout_plan(limit)
+    new.chosen.append(f"rollout.kv_cache_tokens=0 (auto) -> {cap:,} tokens per rollout data "
+                      f"shard ({cap // plan.request_tokens} of the longest requests at once; "
+                      f"the pool for every slot, {plan.parts['KV cache'] / GIB:.1f} GiB per "
+                      f"device, did not fit)")
+    return new
 
 
 def plan_summary(plans: list[ProgramPlan]) -> str:
@@ -213,9 +286,20 @@ def plan_summary(plans: list[ProgramPlan]) -> str:
         f" of {plans[0].limit / GIB:.1f} GiB")
 
 
+def _kv_cap(plan: ProgramPlan, room: float) -> int:
+    """The largest `rollout.kv_cache_tokens` whose pool (its blocks rounded up to three
+    significant bits, plus block 0: `gpurl.rollout.blocks.pool_blocks`) takes at most 95%
+    of `room` bytes per device, from the planned pool's bytes per token."""
+    per_token = plan.parts["KV cache"] / plan.kv_tokens
+    blocks = int(0.95 * room / per_token) // plan.kv_block
+    while blocks > 1 and three_bits(blocks) != blocks:
+        blocks -= 1
+    return (blocks - 1) * plan.kv_block
+
+
 def advice(cfg: Config, plan: ProgramPlan) -> str:
     """One sentence: what does not fit, its largest part, and the fixes, cheapest first
-    (remat, micro-batch, fsdp, LoRA, shorter completions)."""
+    (remat, micro-batch, token budget, context width, fsdp, LoRA, shorter completions)."""
     part, size = plan.largest()
     fixes = []
     micro = cfg.train.batch_size // cfg.train.num_micro_batches
@@ -224,7 +308,18 @@ def advice(cfg: Config, plan: ProgramPlan) -> str:
     smaller = [d for d in range(plan.batch_shards, micro, plan.batch_shards) if micro % d == 0]
     if plan.name == "train step" and smaller:
         fixes.append(f"train.micro_batch_size={smaller[-1]}")
-    if plan.fsdp < plan.devices:
+    packs = cfg.train.packed and registry.get(cfg.algo.name).family is not Family.SFT
+    if plan.name == "train step" and packs and part == "activations / scratch":
+        if cfg.train.micro_batch_tokens != 1:  # one row per micro-batch and batch shard
+            fixes.append("train.micro_batch_tokens=1")
+        wider = plan.context * 2  # each row over more devices (data or fsdp narrower)
+        if wider <= min(plan.devices, 32):
+            fixes.append(f"mesh.context={wider}")
+    if part == "KV cache" and plan.kv_tokens:  # fewer rows decoding at once
+        cap = _kv_cap(plan, plan.limit - (plan.total - size))
+        if cap >= plan.request_tokens:
+            fixes.append(f"rollout.kv_cache_tokens={cap}")
+    if plan.fsdp * plan.context < plan.devices:  # parameters split over fsdp and context
         fixes.append("mesh.data=1 mesh.fsdp=-1")
     if not cfg.model.lora.rank:
         fixes.append("model.lora.rank=16")

@@ -81,6 +81,7 @@ class PreferenceStepper(Stepper):
         # Packed rows (train.packed): each pair's prompt once, its two completions after it
         # in the same row (`gpurl.data.packing`, whole groups), micro-batches by tokens.
         self.shards = batch_divisor(place.mesh, mesh.train_rules)
+        self.context = place.mesh.shape.get("context", 1)
         width = self.train.prompt_tokens.shape[1] + self.train.completions.shape[2]
         self.budget = train.micro_batch_tokens or packing.default_budget(
             train.batch_size // train.num_micro_batches, 2, width, self.shards)
@@ -106,7 +107,8 @@ class PreferenceStepper(Stepper):
                 for k, v in pairs.items()}
         if self.train_cfg.packed:  # a longest pair: w - 1 prompt slots, 2 x (n + 1) branches
             (p, w), n = spec["prompt_tokens"].shape, spec["completions"].shape[2]
-            spec.update(packing.planned_spec(p, 2, w + 2 * n + 1, self.budget, self.shards))
+            spec.update(packing.planned_spec(p, 2, w + 2 * n + 1, n, self.budget, self.shards,
+                                             self.context))
             spec = jax.eval_shape(self._gather, spec)
         if self.reference:
             spec["ref_logps"] = jax.ShapeDtypeStruct((self.train_cfg.batch_size, 2), jnp.float32)
@@ -165,7 +167,8 @@ class PreferenceStepper(Stepper):
         plan = packing.plan(pairs.prompt_lengths[indices], pairs.completion_lengths[indices],
                             pairs.prompt_tokens.shape[1], pairs.completions.shape[2],
                             self.budget, self.shards,
-                            packing.attention_cost(self.setup.spec.cfg.d_model), whole_groups=True)
+                            packing.attention_cost(self.setup.spec.cfg.d_model), whole_groups=True,
+                            context=self.context)
         static = (plan.num_micro,) if plan.num_micro > 1 else ()  # 1: as planned
         return dict(self._gather({**batch, **packing.put(plan, self.setup.place.batch)})), static
 

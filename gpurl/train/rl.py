@@ -127,6 +127,7 @@ class RLStepper(Stepper):
         self._timer: DeviceTimer | None = None
         # Packed rows (train.packed): the plan's row shards and token budget per micro-batch
         self.shards = batch_divisor(place.mesh, mesh.train_rules)
+        self.context = place.mesh.shape.get("context", 1)
         self.budget = train.micro_batch_tokens or packing.default_budget(
             train.batch_size // train.num_micro_batches, algo.num_generations,
             self.rounds.prompt_width + self.rounds.width, self.shards)
@@ -169,7 +170,8 @@ class RLStepper(Stepper):
         if replayed is not None:  # routing replay: the sampler's experts per token
             collected["routes"] = sds((p, g, n, *replayed), jnp.int16)
         if self.train.packed:  # a longest prompt and completion: w + n slots
-            collected.update(packing.planned_spec(p, g, w + n, self.budget, self.shards))
+            collected.update(packing.planned_spec(p, g, w + n, n, self.budget, self.shards,
+                                                  self.context))
         return collected
 
     def _prepare_args(self, collected: dict) -> tuple:
@@ -381,7 +383,8 @@ class RLStepper(Stepper):
                                                          batch["completion_lengths"]], axis=1))
         return packing.plan(lengths_PxG1[:, 0], lengths_PxG1[:, 1:], batch["prompt_tokens"].shape[1],
                             batch["completions"].shape[2], self.budget, self.shards,
-                            packing.attention_cost(self.setup.spec.policy.cfg.d_model))
+                            packing.attention_cost(self.setup.spec.policy.cfg.d_model),
+                            context=self.context)
 
     def _sync(self, state: TrainState) -> tuple[Any, float]:
         """The policy's parameters in the rollout layout, once the previous update is done

@@ -13,6 +13,7 @@ import jax
 
 from gpurl.config import Config, DataConfig, TrainConfig
 from gpurl.data.batching import eval_batches, process_rows, step_indices, take
+from gpurl.data.packing import split_token_rows
 from gpurl.data.sft import TokenRows, encode_sft
 from gpurl.data.sources import load_examples
 from gpurl.distributed import runtime
@@ -37,6 +38,14 @@ class SFTStepper(Stepper):
         self.has_eval = self.evals is not None
         self._eval_fn = make_eval_step(setup.spec, setup.objective, setup.place,
                                        setup.teacher.shardings if setup.teacher else None)
+        self.context = setup.place.mesh.shape.get("context", 1)
+
+    def _laid_out(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Rows as the train step takes them: split over the context axis when the mesh
+        has one (`gpurl.data.packing.split_token_rows`), else as they are."""
+        if self.context == 1:
+            return rows
+        return split_token_rows(rows, self.context, self.rows.pad_id)
 
     def describe(self) -> str:
         return f"{len(self.rows)} train rows ({self.rows.num_truncated} truncated)"
@@ -44,11 +53,11 @@ class SFTStepper(Stepper):
     def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
         indices = step_indices(len(self.rows), self.train.batch_size, step, self.train.seed)
         local = process_rows(indices, runtime.process_index(), runtime.process_count())
-        return self.setup.step_fn(state, self.setup.to_global(take(self.rows, local)),
-                                  self.setup.frozen_teacher())
+        batch = self.setup.to_global(self._laid_out(take(self.rows, local)))
+        return self.setup.step_fn(state, batch, self.setup.frozen_teacher())
 
     def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
-        rows = take(self.rows, np.arange(1))
+        rows = self._laid_out(take(self.rows, np.arange(1)))
         return {k: jax.ShapeDtypeStruct((self.train.batch_size,) + v.shape[1:], v.dtype)
                 for k, v in rows.items()}
 
@@ -62,7 +71,8 @@ class SFTStepper(Stepper):
         totals: dict[str, float] = {}
         rank, count = runtime.process_index(), runtime.process_count()
         for batch in eval_batches(self.evals, self.train.eval_batch_size):
-            local = {k: v[process_rows(np.arange(len(v)), rank, count)] for k, v in batch.items()}
+            local = self._laid_out({k: v[process_rows(np.arange(len(v)), rank, count)]
+                                    for k, v in batch.items()})
             metrics = self._eval_fn(params, self.setup.to_global(local), self.setup.frozen_teacher())
             for k, v in jax.device_get(metrics).items():
                 totals[k] = totals.get(k, 0.0) + float(v)

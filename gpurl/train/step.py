@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gpurl.algorithms.objective import Batch, Objective, reduce_micro
 from gpurl.config import ModelConfig, OptimConfig
 from gpurl.data import packing
-from gpurl.distributed.mesh import Rules, batch_sharding, replicated, tree_shardings
+from gpurl.distributed.mesh import Rules, batch_sharding, packed_spec, replicated, tree_shardings
 from gpurl.models import lora, moe
 from gpurl.models.paths import param_path
 from gpurl.models.spec import ModelSpec, Params
@@ -210,7 +210,7 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
         # Packed rows: micro-batch m takes rows m, m+M, ... and reads the grouped arrays
         # whole, its own completions unmasked (`gpurl.data.packing.micro_batch`).
         rows_M, whole = packing.micro_batches(batch, num_micro)
-        micro_rows = NamedSharding(place.batch.mesh, P(None, *place.batch.spec))
+        micro_rows = NamedSharding(place.batch.mesh, P(None, *packed_spec(place.batch)))
         rows_M = jax.lax.with_sharding_constraint(rows_M, jax.tree.map(lambda _: micro_rows, rows_M))
         micro_M = (rows_M, jnp.arange(num_micro))
         view = lambda micro: packing.micro_batch(micro[0], whole, micro[1], num_micro)  # noqa: E731

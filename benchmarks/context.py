@@ -1,0 +1,126 @@
+"""The context axis on CPU host devices: a GRPO train phase (prepare + train step) whose
+packed rows are split over 1, 2 and 4 devices (`mesh.context`), interleaved.
+
+A random model (`--width`, 4 layers) on 4 forced host devices: P prompts of 64 tokens x
+G completions of `--tokens` tokens, one row per micro-batch (`train.micro_batch_tokens=1`),
+so a device holds Z / C slots of a row. Width 1 splits rows over the data axis instead
+(`mesh.data=4`: the same 4 devices, one row each); widths 2 and 4 take `mesh.data=4/C`.
+Reported per width: the median seconds of the train phase, and the train step's memory
+per device (XLA's `memory_analysis()`: arguments + temporaries). CPU figures say what the
+split costs in collectives and duplicated work on one machine, not what a GPU gains:
+`gpurl plan plan.target=h100 mesh.context=...` gives the GPU's account.
+
+    python benchmarks/context.py                  # 4 x 4 completions of 4,096 tokens
+    python benchmarks/context.py --tokens 1024 --repeats 1   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any, Sequence
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gpurl.cli.compose import validate  # noqa: E402
+from gpurl.data import packing  # noqa: E402
+from gpurl.train.loop import build  # noqa: E402
+
+PROMPT = 64
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=4096, help="completion tokens")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--width", type=int, default=256, help="model.d_model")
+    p.add_argument("--repeats", type=int, default=3, help="timed train phases per width")
+    return p.parse_args(argv)
+
+
+class Width:
+    def __init__(self, args: argparse.Namespace, context: int):
+        self.context = context
+        cfg = validate([
+            "model=tiny", "model.tokenizer=bytes", "data=arithmetic", "data.num_eval=0",
+            f"model.d_model={args.width}", f"model.mlp_dim={4 * args.width}",
+            "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=4",
+            f"model.head_dim={args.width // 8}", "model.dtype=float32",
+            "algo=grpo", "algo.beta=0.04", f"algo.num_generations={args.group}",
+            f"train.batch_size={args.prompts}", f"train.micro_batch_size={args.prompts}",
+            "train.micro_batch_tokens=1", f"rollout.max_new_tokens={args.tokens}",
+            f"mesh.data={4 // context}", f"mesh.context={context}", "plan.check=false"])
+        self.cfg, self.setup, self.stepper = build(cfg)
+        self.state = self.setup.init()
+        self.batch, self.rewards = _collected(self.stepper, args.tokens)
+        plan = self.stepper._pack(self.batch)
+        self.batch = {**self.batch, **packing.put(plan, self.setup.place.batch)}
+        self.static = (plan.num_micro,) if plan.num_micro > 1 else ()
+        self.shape = f"{plan.shape[0]} rows x {plan.shape[1]}, {plan.num_micro} micro"
+
+    def phase(self) -> float:
+        s = self.stepper
+        t0 = time.perf_counter()
+        batch, _, _ = s._prepare(self.state.params, s.ref_params, s.rm_params, None, self.batch,
+                                 self.rewards, s.carry)
+        self.state, metrics = self.setup.step_fn(self.state, batch, None, *self.static)
+        jax.block_until_ready((self.state.params, metrics))
+        return time.perf_counter() - t0
+
+    def memory(self) -> float:
+        s = self.stepper
+        args = (self.state.params, s.ref_params, s.rm_params, None, self.batch, self.rewards, s.carry)
+        batch = jax.eval_shape(s._prepare, *args)[0]
+        m = self.setup.step_fn.jitted.lower(self.state, batch, None, *self.static).compile(
+            ).memory_analysis()
+        return float(m.argument_size_in_bytes + m.temp_size_in_bytes)
+
+
+def _collected(stepper: Any, tokens: int) -> tuple[dict, jax.Array]:
+    """Prompts of PROMPT tokens and completions of `tokens` (the last of each group half
+    as long), random ids and sampler log-probs, as the collector hands them over."""
+    rng = np.random.default_rng(0)
+    p, g = stepper.train.batch_size, stepper.algo.num_generations
+    w, n = stepper.rounds.prompt_width, stepper.rounds.width
+    clen = np.full((p, g), min(tokens, n))
+    clen[:, -1] //= 2
+    plen = np.full(p, min(PROMPT, w))
+    real = np.arange(n) < clen[..., None]
+    vocab = stepper.setup.spec.policy.cfg.vocab_size
+    batch = {"prompt_tokens": np.where(np.arange(w) < plen[:, None], rng.integers(3, vocab, (p, w)), 0),
+             "prompt_lengths": plen, "completions": np.where(real, rng.integers(3, vocab, (p, g, n)), 0),
+             "completion_lengths": clen, "comp_mask": real.astype(np.float32),
+             "sampler_logprobs": np.where(real, -1.0, 0.0).astype(np.float32)}
+    sh = stepper.setup.place.batch
+    out = {k: jax.device_put(np.asarray(v, np.float32 if v.dtype == np.float32 else np.int32), sh)
+           for k, v in batch.items()}
+    return out, jax.device_put(rng.uniform(0, 1, p * g).astype(np.float32), sh)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    widths = [Width(args, c) for c in (1, 2, 4)]
+    for w in widths:
+        w.phase()  # compile
+    times: dict[int, list[float]] = {w.context: [] for w in widths}
+    for _ in range(args.repeats):
+        for w in widths:
+            times[w.context].append(w.phase())
+    base = statistics.median(times[1])
+    print(f"\nGRPO train phase, {args.prompts} x {args.group} completions of {args.tokens} "
+          f"tokens, d_model {args.width}, 4 CPU host devices, median of {args.repeats}")
+    print("| mesh.context | rows | train phase s | vs width 1 | train step memory per device, MB |")
+    print("| ---: | --- | ---: | ---: | ---: |")
+    for w in widths:
+        t = statistics.median(times[w.context])
+        print(f"| {w.context} | {w.shape} | {t:.2f} | {t / base:.2f}x | {w.memory() / 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
