@@ -1,7 +1,7 @@
 """The context axis on CPU host devices: a GRPO train phase (prepare + train step) whose
 packed rows are split over 1, 2 and 4 devices (`mesh.context`), interleaved.
 
-A random model (`--width`, 4 layers) on 4 forced host devices: P prompts of 64 tokens x
+A random model (`--width`, 4 layers) on 4 forced host devices: P prompts of 32 tokens x
 G completions of `--tokens` tokens, one row per micro-batch (`train.micro_batch_tokens=1`),
 so a device holds Z / C slots of a row. Width 1 splits rows over the data axis instead
 (`mesh.data=4`: the same 4 devices, one row each); widths 2 and 4 take `mesh.data=4/C`.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from typing import Any, Sequence
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -30,8 +29,7 @@ import numpy as np  # noqa: E402
 from gpurl.cli.compose import validate  # noqa: E402
 from gpurl.data import packing  # noqa: E402
 from gpurl.train.loop import build  # noqa: E402
-
-PROMPT = 64
+from packing import collected, train_phase  # noqa: E402  (benchmarks/packing.py)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -58,20 +56,16 @@ class Width:
             f"mesh.data={4 // context}", f"mesh.context={context}", "plan.check=false"])
         self.cfg, self.setup, self.stepper = build(cfg)
         self.state = self.setup.init()
-        self.batch, self.rewards = _collected(self.stepper, args.tokens)
+        self.batch, self.rewards = collected(self.stepper, _lengths(self.stepper, args.tokens))
         plan = self.stepper._pack(self.batch)
         self.batch = {**self.batch, **packing.put(plan, self.setup.place.batch)}
         self.static = (plan.num_micro,) if plan.num_micro > 1 else ()
         self.shape = f"{plan.shape[0]} rows x {plan.shape[1]}, {plan.num_micro} micro"
 
     def phase(self) -> float:
-        s = self.stepper
-        t0 = time.perf_counter()
-        batch, _, _ = s._prepare(self.state.params, s.ref_params, s.rm_params, None, self.batch,
-                                 self.rewards, s.carry)
-        self.state, metrics = self.setup.step_fn(self.state, batch, None, *self.static)
-        jax.block_until_ready((self.state.params, metrics))
-        return time.perf_counter() - t0
+        self.state, seconds = train_phase(self.setup, self.stepper, self.state, self.batch,
+                                          self.rewards, self.static)
+        return seconds
 
     def memory(self) -> float:
         s = self.stepper
@@ -82,25 +76,11 @@ class Width:
         return float(m.argument_size_in_bytes + m.temp_size_in_bytes)
 
 
-def _collected(stepper: Any, tokens: int) -> tuple[dict, jax.Array]:
-    """Prompts of PROMPT tokens and completions of `tokens` (the last of each group half
-    as long), random ids and sampler log-probs, as the collector hands them over."""
-    rng = np.random.default_rng(0)
-    p, g = stepper.train.batch_size, stepper.algo.num_generations
-    w, n = stepper.rounds.prompt_width, stepper.rounds.width
-    clen = np.full((p, g), min(tokens, n))
+def _lengths(stepper: Any, tokens: int) -> np.ndarray:
+    """P x G completion lengths: `tokens` each, the last of each group half as long."""
+    clen = np.full((stepper.train.batch_size, stepper.algo.num_generations), tokens)
     clen[:, -1] //= 2
-    plen = np.full(p, min(PROMPT, w))
-    real = np.arange(n) < clen[..., None]
-    vocab = stepper.setup.spec.policy.cfg.vocab_size
-    batch = {"prompt_tokens": np.where(np.arange(w) < plen[:, None], rng.integers(3, vocab, (p, w)), 0),
-             "prompt_lengths": plen, "completions": np.where(real, rng.integers(3, vocab, (p, g, n)), 0),
-             "completion_lengths": clen, "comp_mask": real.astype(np.float32),
-             "sampler_logprobs": np.where(real, -1.0, 0.0).astype(np.float32)}
-    sh = stepper.setup.place.batch
-    out = {k: jax.device_put(np.asarray(v, np.float32 if v.dtype == np.float32 else np.int32), sh)
-           for k, v in batch.items()}
-    return out, jax.device_put(rng.uniform(0, 1, p * g).astype(np.float32), sh)
+    return clen
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -98,6 +98,19 @@ def collected(stepper: Any, clen_PxG: np.ndarray) -> tuple[dict, jax.Array]:
     return out, jax.device_put(rng.uniform(0, 1, p * g).astype(np.float32), sh)
 
 
+def train_phase(setup: Any, stepper: Any, state: Any, batch: dict, rewards: jax.Array,
+                static: tuple) -> tuple[Any, float]:
+    """(the updated state, seconds of prepare + train step: dispatch to the updated
+    parameters' arrival) of an RL stepper on a collected batch."""
+    s = stepper
+    t0 = time.perf_counter()
+    prepared, _, _ = s._prepare(state.params, s.ref_params, s.rm_params, None, batch, rewards,
+                                s.carry)
+    state, metrics = setup.step_fn(state, prepared, None, *static)
+    jax.block_until_ready((state.params, metrics))
+    return state, time.perf_counter() - t0
+
+
 class Layout:
     """One layout's stepper, state and batch, and its train phase."""
 
@@ -123,13 +136,9 @@ class Layout:
 
     def phase(self) -> float:
         """Seconds of prepare + train step (dispatch to the updated parameters' arrival)."""
-        s = self.stepper
-        t0 = time.perf_counter()
-        batch, _, _ = s._prepare(self.state.params, s.ref_params, s.rm_params, None, self.batch,
-                                 self.rewards, s.carry)
-        self.state, metrics = self.setup.step_fn(self.state, batch, None, *self.static)
-        jax.block_until_ready((self.state.params, metrics))
-        return time.perf_counter() - t0
+        self.state, seconds = train_phase(self.setup, self.stepper, self.state, self.batch,
+                                          self.rewards, self.static)
+        return seconds
 
     def measure_memory(self) -> None:
         """Arguments + temporaries per device of the prepare step and of the train step."""

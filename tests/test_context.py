@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from test_packing import CLEN, _close, _collected, _config, _grads, _prepared
+from test_packing import CLEN, _close, _collected, _config, _grads, _prepared, pairs_batches
 
 
 @functools.cache
@@ -59,21 +59,9 @@ def test_grpo_step_split_over_the_context_axis_equals_one_device_per_row(context
 
 
 def _pairs_step(context: int):
-    from gpurl.data.batching import step_indices
-    from conftest import TINY_MODEL, make_config
-    from gpurl.train.loop import build
-
     mesh = {1: {"data": 2, "tp": 2}, 2: {"data": 2, "context": 2}}[context]
-    cfg = make_config(
-        algo={"name": "dpo"}, model=dict(TINY_MODEL, tokenizer="bytes"), mesh=mesh,
-        data={"name": "arithmetic_prefs", "num_train": 32, "num_eval": 0, "max_len": 32},
-        train={"steps": 1, "batch_size": 8, "micro_batch_size": 4, "eval_every": 0,
-               "checkpoint_every": 0, "eval_batch_size": 4, "micro_batch_tokens": 40},
-        logger={"progress": False})
-    _, setup, stepper = build(cfg)
+    _, setup, stepper, _, packed, m = pairs_batches("dpo", mesh)
     params = setup.init().params
-    indices = step_indices(len(stepper.train), 8, 0, 0)
-    packed, (m,) = stepper._pack(dict(stepper._pairs(stepper.train, indices)), indices)
     ref = stepper._logps(params, packed)[0]
     # a reference apart from the policy: margins away from 0 (accuracy is their sign)
     apart = ref + np.random.default_rng(0).normal(0, 1, ref.shape).astype(np.float32)

@@ -285,26 +285,33 @@ def test_packed_step_equals_padded_step(key):
             _close(a, b, jax.tree_util.keystr(path), tol)
 
 
+def pairs_batches(name: str, mesh: dict):
+    """(config, setup, stepper, the padded pair batch, the packed one, its micro-batches)
+    of a preference run on 8 pairs of the tiny model, token budget 40 per micro-batch."""
+    from gpurl.data.batching import step_indices
+    from gpurl.train.loop import build
+
+    cfg = make_config(
+        algo={"name": name}, model=dict(TINY_MODEL, tokenizer="bytes"), mesh=mesh,
+        data={"name": "arithmetic_prefs", "num_train": 32, "num_eval": 0, "max_len": 32},
+        train={"steps": 1, "batch_size": 8, "micro_batch_size": 4, "eval_every": 0,
+               "checkpoint_every": 0, "eval_batch_size": 4, "micro_batch_tokens": 40},
+        logger={"progress": False})
+    cfg, setup, stepper = build(cfg)
+    indices = step_indices(len(stepper.train), 8, 0, 0)
+    padded = stepper._pairs(stepper.train, indices)
+    packed, (m,) = stepper._pack(dict(padded), indices)
+    return cfg, setup, stepper, padded, packed, m
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dpo", "simpo", "orpo", "rm"])
 def test_packed_pairs_equal_padded_pairs(name):
     """Preference pairs: chosen and rejected share their prompt in one row; the loss,
     its metrics and the gradients equal the padded batch's, over token-budget
     micro-batches (a pair never split across them)."""
-    from gpurl.data.batching import step_indices
-    from gpurl.train.loop import build
-
-    cfg = make_config(
-        algo={"name": name}, model=dict(TINY_MODEL, tokenizer="bytes"), mesh={"data": 2, "tp": 2},
-        data={"name": "arithmetic_prefs", "num_train": 32, "num_eval": 0, "max_len": 32},
-        train={"steps": 1, "batch_size": 8, "micro_batch_size": 4, "eval_every": 0,
-               "checkpoint_every": 0, "eval_batch_size": 4, "micro_batch_tokens": 40},
-        logger={"progress": False})
-    _, setup, stepper = build(cfg)
+    cfg, setup, stepper, padded, packed, m = pairs_batches(name, {"data": 2, "tp": 2})
     params = setup.init().params
-    indices = step_indices(len(stepper.train), 8, 0, 0)
-    padded = stepper._pairs(stepper.train, indices)
-    packed, (m,) = stepper._pack(dict(padded), indices)  # m > 1
     assert m > 1
     if stepper.reference:
         ref = stepper._logps(params, padded)[0]

@@ -199,10 +199,11 @@ def test_sigterm_before_the_first_step_exits_cleanly_without_a_checkpoint(tmp_pa
 
 
 def test_mesh_sizes_that_do_not_fit_the_devices():
-    with pytest.raises(ConfigError, match=r"mesh.data\*mesh.fsdp\*mesh.expert\*mesh.tp = 6 but there "
-                                          r"are 4 devices; choose sizes whose product is 4"):
+    with pytest.raises(ConfigError, match=r"mesh.data\*mesh.fsdp\*mesh.context\*mesh.expert\*mesh.tp = 6 "
+                                          r"but there are 4 devices; choose sizes whose product is 4"):
         trainer_mesh(MeshConfig(data=3, fsdp=2), jax.devices())
-    with pytest.raises(ConfigError, match=r"mesh sizes data=-1 fsdp=3 expert=1 tp=1 do not fit 4 devices"):
+    with pytest.raises(ConfigError, match=r"mesh sizes data=-1 fsdp=3 context=1 expert=1 tp=1 do not "
+                                          r"fit 4 devices"):
         trainer_mesh(MeshConfig(data=-1, fsdp=3), jax.devices())
 
 
