@@ -143,7 +143,8 @@ class Layout:
     def measure_memory(self) -> None:
         """Arguments + temporaries per device of the prepare step and of the train step."""
         s = self.stepper
-        args = (self.state.params, s.ref_params, s.rm_params, self.batch, self.rewards, s.carry)
+        args = (self.state.params, s.ref_params, s.rm_params, None, self.batch, self.rewards,
+                s.carry)
         prepared = s._prepare.lower(*args).compile()
         batch = jax.eval_shape(s._prepare, *args)[0]
         train = self.setup.step_fn.jitted.lower(self.state, batch, None, *self.static).compile()
