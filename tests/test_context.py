@@ -11,21 +11,22 @@ import jax
 import numpy as np
 import pytest
 
-from test_packing import CLEN, _close, _collected, _config, _grads, _prepared, pairs_batches
+from test_packing import (CASES, CLEN, _close, _collected, _config, _grads, _prepared,
+                          pairs_batches)
 
 
 @functools.cache
-def _built(name: str, context: int, **over):
+def _built(name: str, context: int, key: str = ""):
     from gpurl.train.loop import build
 
     mesh = {1: {"data": 2, "tp": 2}, 2: {"data": 2, "context": 2}, 4: {"data": 1, "context": 4}}
-    cfg = _config(name, mesh=mesh[context],
-                  algo={"beta": 0.04}, **over)
+    over = {k: v for k, v in CASES[key].items() if k != "algo"} if key else {}
+    cfg = _config(name, mesh=mesh[context], algo={"beta": 0.04}, **over)
     return build(cfg)
 
 
-def _step(name: str, context: int):
-    cfg, setup, stepper = _built(name, context)
+def _step(name: str, context: int, key: str = ""):
+    cfg, setup, stepper = _built(name, context, key)
     params = setup.init().params
     collected, rewards = _collected(stepper, multi_turn=True)
     batch, metrics, m = _prepared(stepper, params, collected, rewards, packed=True)
@@ -34,10 +35,12 @@ def _step(name: str, context: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("context", [2, 4])
-def test_grpo_step_split_over_the_context_axis_equals_one_device_per_row(context):
-    base = _step("grpo", 1)
-    split = _step("grpo", context)
+@pytest.mark.parametrize("context,key", [(2, ""), (4, ""), (2, "moe")])
+def test_grpo_step_split_over_the_context_axis_equals_one_device_per_row(context, key):
+    """Widths 2 and 4 of the gemma3 tiny model (sliding-window layers), and a mixture of
+    experts with routing replay at width 2 (each device routes the tokens it holds)."""
+    base = _step("grpo", 1, key)
+    split = _step("grpo", context, key)
     assert split[0]["pack/tokens"].shape[1] // context < CLEN.max()  # a completion spans devices
     mask = np.asarray(base[4]["comp_mask"])
     for k in base[1]:

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from gpurl.config import ConfigError, ModelConfig, MoEConfig
 from gpurl.models.axes import logical_spec
 from gpurl.kernels.grouped_matmul import grouped_matmul, resolve, tile_layout, tiled_matmul
-from gpurl.models.layers import ACTIVATIONS, Layout, layout, param
+from gpurl.models.layers import ACTIVATIONS, Layout, context_axis, layout, param
 
 # logical axes of the expert weights (gate and up, down)
 IN_AXES = ("expert", "embed", "expert_mlp")
@@ -195,7 +195,10 @@ class _Experts:
         # experts split over tp see the tokens they already hold and never drop
         capacity = self.capacity if dispatch else 0.0
 
+        context = context_axis()  # packed rows' tokens split over it: each device its own
+
         def body(x_BxTxD, top_experts, top_weights, gate, up, down):
+            t = x_BxTxD.shape[1]
             if embed_axes:  # FSDP: the whole embedding dimension of this device's experts
                 gate, up = (jax.lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (gate, up))
             if down_embed_axes:
@@ -213,12 +216,13 @@ class _Experts:
                 out = jax.lax.psum_scatter(out, dispatch, scatter_dimension=0, tiled=True)
             # counted once: summed over the devices of other experts and other rows (the
             # devices splitting one expert's hidden width drop the same copies)
-            distinct = tuple(dict.fromkeys(expert_axes + row_axes))
+            split = expert_axes + row_axes + ((context,) if context else ())
+            distinct = tuple(dict.fromkeys(split))
             if distinct:
                 dropped = jax.lax.psum(dropped, distinct)
             return out.reshape(bl, t, d).astype(x_BxTxD.dtype), dropped
 
-        rows = P(row_axes or None, None, None)
+        rows = P(row_axes or None, context, None)
         return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, in_spec, in_spec, out_spec),
                              out_specs=(rows, P()))(x_BxTxD, top_experts, top_weights, *weights)
 

@@ -192,10 +192,6 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
     _check_batch(cfg, batch_divisor(mesh, cfg.mesh.train_rules))
     model_cfg = _router_defaults(loading.resolve(cfg.model), algorithm)
     _check_experts(model_cfg, mesh, cfg.mesh.train_rules)
-    if model_cfg.moe.num_experts and cfg.mesh.context > 1:
-        raise ConfigError(f"mesh.context={cfg.mesh.context} does not split mixture-of-experts "
-                          f"models yet (their experts route a row's tokens on one device); "
-                          f"use mesh.context=1 with model={cfg.model.name}.")
     cfg = dataclasses.replace(cfg, model=model_cfg)  # config.yaml records the real architecture
     spec = algorithm.model(cfg.algo, model_cfg)
     objective = algorithm.objective(cfg.algo, cfg.rollout)
