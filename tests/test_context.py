@@ -182,7 +182,7 @@ def _planned(limit_gb: float, **over):
         mesh={"data": 2, "context": 2}, plan={"device_memory_gb": limit_gb},
         logger={"progress": False})
     cfg, setup, stepper = build(cfg)
-    return stepper, {p.name: p for p in memory_plan(cfg, setup, stepper)}
+    return cfg, stepper, {p.name: p for p in memory_plan(cfg, setup, stepper)}
 
 
 @pytest.mark.slow
@@ -190,23 +190,33 @@ def test_the_plan_lowers_the_token_budget_and_caps_the_kv_pool_until_both_fit():
     """train.micro_batch_tokens=0 and rollout.kv_cache_tokens=0 (auto): with room for
     everything they keep the padded micro-batch's budget and a pool for every slot; on a
     device too small for those, the plan picks the largest budget and pool that fit, says
-    so, and the run then uses them."""
-    stepper, roomy = _planned(100.0)
+    so, and the run then uses them; where even one row does not fit, the advice names a
+    wider context axis."""
+    from gpurl.train.plan import advice
+
+    _, stepper, roomy = _planned(100.0)
     budget = stepper.budget
     act = roomy["train step"].parts["activations / scratch"]
     assert not roomy["train step"].chosen and not roomy["rollout"].chosen
     # a device with room for about a third of the default micro-batch's activations
-    stepper, tight = _planned((roomy["train step"].total - 0.6 * act) / 2**30)
+    _, stepper, tight = _planned((roomy["train step"].total - 0.6 * act) / 2**30)
     train = tight["train step"]
     assert train.fits and stepper.budget < budget, (stepper.budget, budget)
     assert "train.micro_batch_tokens=0 (auto) ->" in train.chosen[0]
+    # a device too small for even one row per micro-batch: the advice names a wider
+    # context axis, not the token budget the plan already lowered to one row
+    cfg, _, hopeless = _planned(0.05 * roomy["train step"].total / 2**30)
+    train = hopeless["train step"]
+    assert not train.fits and train.micro_rows == 1
+    text = advice(cfg, train)
+    assert "mesh.context=4" in text and "train.micro_batch_tokens=1" not in text, text
     # many rows of long completions (32 prompts x 4): the pool outgrows a small device
-    stepper, roomy = _planned(100.0, train={"batch_size": 32, "micro_batch_size": 32,
+    _, stepper, roomy = _planned(100.0, train={"batch_size": 32, "micro_batch_size": 32,
                                             "micro_batch_tokens": 1})
     rollout = roomy["rollout"]
     assert rollout.largest()[0] == "KV cache"
     limit = roomy["train step"].total + 0.5 * (rollout.total - roomy["train step"].total)
-    stepper, tight = _planned(limit / 2**30, train={"batch_size": 32, "micro_batch_size": 32,
+    _, stepper, tight = _planned(limit / 2**30, train={"batch_size": 32, "micro_batch_size": 32,
                                                     "micro_batch_tokens": 1})
     rollout = tight["rollout"]
     assert rollout.fits, rollout.table()

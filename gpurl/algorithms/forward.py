@@ -154,7 +154,7 @@ def _head_rows(states: jax.Array, batch: Batch
         # each context block's own states: rows x blocks are the head's rows, so every
         # device runs the head on the slots it holds (one block when there is no context axis)
         b, blocks, h = batch["pack/head"].shape
-        z = batch["pack/tokens"].shape[1]
+        z = states.shape[1]
         head_BCxHxD = jnp.take_along_axis(
             constrain_blocks(states.reshape(b * blocks, z // blocks, states.shape[-1])),
             constrain_blocks(batch["pack/head"].reshape(b * blocks, h))[..., None], axis=1)

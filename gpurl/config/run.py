@@ -212,8 +212,8 @@ class MeshConfig:
                 raise ConfigError(f"mesh.{key}={value} is not valid; use a positive size or -1 to fill.")
         if self.context != -1 and (self.context & (self.context - 1) or self.context > 32):
             raise ConfigError(f"mesh.context={self.context} is not valid; use a power of two up "
-                              f"to 32 (a packed row's length is a power of two split in 2 x "
-                              f"mesh.context chunks).")
+                              f"to 32 (packed rows, 64 slots or more, split into 2 x "
+                              f"mesh.context equal chunks).")
         if [self.data, self.fsdp, self.context, self.expert, self.tp].count(-1) > 1:
             raise ConfigError("Only one of mesh.data, mesh.fsdp, mesh.context, mesh.expert, mesh.tp "
                               "may be -1; set the others.")

@@ -207,8 +207,8 @@ def plan(prompt_lengths_P: np.ndarray, completion_lengths_PxG: np.ndarray, width
     plen_P = np.asarray(prompt_lengths_P, np.int64)
     clen_PxG = np.asarray(completion_lengths_PxG, np.int64)
     p, g = clen_PxG.shape
-    longest = max(int(_group_sizes(plen_P, clen_PxG).max() if whole_groups
-                      else (plen_P[:, None] + clen_PxG).max()), 2 * context)
+    longest = int(_group_sizes(plen_P, clen_PxG).max() if whole_groups
+                  else (plen_P[:, None] + clen_PxG).max())
     best = None
     for k in range(LENGTHS):
         length = row_length(longest) << k
@@ -289,7 +289,7 @@ def _stored(source: np.ndarray, positions: np.ndarray, segments: np.ndarray,
     live = j <= clen_PxG[..., None]
     nat_PxGxN1 = np.where(live, start_PxG[..., None] + j, 0)
     state_cols = np.where(live, stored_of[np.minimum(nat_PxGxN1, length - 1)], 0).astype(np.int32)
-    head_cols = np.where(live[..., :n] & (j[:n] < clen_PxG[..., None]),
+    head_cols = np.where(j[:n] < clen_PxG[..., None],
                          col_of[row_PxG[..., None], np.minimum(nat_PxGxN1[..., :n], length - 1)],
                          0).astype(np.int32)
     return Plan(source[:, order], positions[:, order], segments[:, order],
@@ -326,7 +326,7 @@ def planned_spec(groups: int, group: int, longest: int, completion_width: int, b
     length of a `longest` group (what the memory plan compiles): `groups` x `group`
     completions of `completion_width` slots, one micro-batch of budget // (length /
     context) rows per shard (no more than the completions), a head as wide as the rows."""
-    length = row_length(max(longest, 2 * context))
+    length = row_length(longest)
     most = -(-groups * group // shards)  # a row per completion at most
     rows = shards * min(max(budget * context // length, 1), most)
     sds = jax.ShapeDtypeStruct

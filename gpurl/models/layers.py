@@ -112,7 +112,7 @@ def constrain_blocks(x: jax.Array) -> jax.Array:
         return x
     rows = _row_axes(current)
     mesh = current.rows.mesh
-    axes = tuple(a for a in ((rows,) if isinstance(rows, str) else (rows or ())))
+    axes = (rows,) if isinstance(rows, str) else tuple(rows or ())
     if mesh.shape.get(CONTEXT, 1) > 1:
         axes += (CONTEXT,)
     spec = P(axes or None, *([P.UNCONSTRAINED] * (x.ndim - 1)))

@@ -90,6 +90,7 @@ class ProgramPlan:
     kv_tokens: int = 0  # the rollout's KV pool, in tokens per rollout data shard
     kv_block: int = 0  # tokens per block of that pool
     chosen: list[str] = field(default_factory=list)  # what the plan picked for an auto key
+    micro_rows: int = 0  # packed rows per micro-batch and batch shard (train step; 0: not packed)
     request_tokens: int = 0  # the rollout's longest request (prompt + completion)
     notes: list[str] = field(default_factory=list)
     analysis: dict[str, float] = field(default_factory=dict)  # XLA's: arguments, temp, outputs
@@ -213,8 +214,10 @@ def memory_plan(cfg: Config, setup: Setup, stepper: Stepper) -> list[ProgramPlan
                                stepper.resident_bytes(), limit, setup.teacher)
 
     train = train_plan()
-    if cfg.train.micro_batch_tokens == 0 and cfg.train.packed and hasattr(stepper, "budget"):
-        train = _fit_budget(stepper, train, train_plan)
+    if cfg.train.packed and hasattr(stepper, "budget"):
+        if cfg.train.micro_batch_tokens == 0:
+            train = _fit_budget(stepper, train, train_plan)
+        train.micro_rows = stepper.batch_spec()["pack/tokens"].shape[0] // stepper.shards
     rollout = stepper.rollout_plan(limit)
     if rollout is not None and cfg.rollout.kv_cache_tokens == 0:
         rollout = _fit_pool(stepper, rollout, limit)
@@ -236,17 +239,12 @@ def _fit_budget(stepper: Stepper, plan: ProgramPlan,
     compiles to confirm), said in the plan's `chosen`."""
     first = stepper.budget
     for _ in range(3):
-        if plan.fits or plan.largest()[0] != "activations / scratch":
+        if plan.fits or plan.largest()[0] != "activations / scratch" or stepper.budget == 1:
             break
-        tokens = _micro_tokens(stepper)
         act = plan.parts["activations / scratch"]
         room = plan.limit - (plan.total - act)
-        budget = max(int(0.9 * room / (act / tokens)), 1) if room > 0 else 1
-        if budget >= stepper.budget:
-            budget = max(stepper.budget // 2, 1)
-        if stepper.budget == 1:
-            break
-        stepper.budget = budget
+        fitted = max(int(0.9 * room * _micro_tokens(stepper) / act), 1) if room > 0 else 1
+        stepper.budget = fitted if fitted < stepper.budget else max(stepper.budget // 2, 1)
         plan = replan()
     if stepper.budget != first:
         plan.chosen.append(f"train.micro_batch_tokens=0 (auto) -> {stepper.budget:,} tokens per "
@@ -308,9 +306,10 @@ def advice(cfg: Config, plan: ProgramPlan) -> str:
     smaller = [d for d in range(plan.batch_shards, micro, plan.batch_shards) if micro % d == 0]
     if plan.name == "train step" and smaller:
         fixes.append(f"train.micro_batch_size={smaller[-1]}")
-    packs = cfg.train.packed and registry.get(cfg.algo.name).family is not Family.SFT
-    if plan.name == "train step" and packs and part == "activations / scratch":
-        if cfg.train.micro_batch_tokens != 1:  # one row per micro-batch and batch shard
+    # the context axis splits packed rows (SFT's rows always; RL's and pairs' with train.packed)
+    splits = cfg.train.packed or registry.get(cfg.algo.name).family is Family.SFT
+    if plan.name == "train step" and splits and part == "activations / scratch":
+        if plan.micro_rows > 1:  # one row per micro-batch and batch shard
             fixes.append("train.micro_batch_tokens=1")
         wider = plan.context * 2  # each row over more devices (data or fsdp narrower)
         if wider <= min(plan.devices, 32):
