@@ -2,9 +2,10 @@
 simulated devices, nothing allocated) over the presets, from abstract arrays only.
 
     # docs/scaling.md: the longest completion (prompt 512, G=8, 8 sequences per device)
-    # whose GRPO step and rollout fit, per preset, full fine-tuning and LoRA (~30 min each)
-    python benchmarks/plan.py table --devices 8 --json plan8.json
-    python benchmarks/plan.py table --devices 1 --json plan1.json
+    # whose GRPO step and rollout fit, per preset, full fine-tuning and LoRA, with XLA's GPU
+    # compiler for 8 compile-only H100s (about 3 plans of 1-4 min per preset and column)
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python benchmarks/plan.py table --devices 8 \
+        --target h100 --json plan8-h100.json
     # benchmarks/README.md: fixed settings (memory per device, lower + compile time)
     python benchmarks/plan.py settings --devices 8 --json settings8.json
     python benchmarks/plan.py settings --devices 1 --json settings1.json
@@ -40,7 +41,7 @@ PRESETS = ("gemma3_1b", "llama3_1b", "qwen2_5_1_5b", "qwen3_1_7b", "gemma2b", "g
            "gemma3_4b", "qwen2_5_7b", "llama3_8b", "qwen3_8b", "gemma7b", "gemma2_9b",
            "gemma3_12b", "qwen2_5_14b", "qwen3_14b", "gemma3_27b", "qwen2_5_32b", "qwen3_32b",
            "llama3_70b")
-LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 def grpo_setting(model: str, devices: int, prompts: int, prompt_len: int, group: int,
@@ -61,9 +62,10 @@ SETTINGS = (grpo_setting("llama3_8b", 8, 8, 512, 8, 1024),
 
 
 def mesh_overrides(devices: int) -> list[str]:
-    """The layout the table assumes: the trainer fully sharded over every device, and the
-    rollout copy of the weights split by tensor parallelism over every device."""
-    return ["mesh.data=1", "mesh.fsdp=-1", f"mesh.rollout_tp={max(devices, 1)}"]
+    """The layout the table assumes: the trainer fully sharded over every device; the rest
+    (the context width, the token budget, the rollout's width and KV pool) the plan's
+    `auto` choices."""
+    return ["mesh.data=1", "mesh.fsdp=-1"]
 
 
 def run_plan(overrides: list[str], extra: list[str]) -> dict[str, Any]:
@@ -75,7 +77,7 @@ def run_plan(overrides: list[str], extra: list[str]) -> dict[str, Any]:
                            "fits": all(p.fits for p in plans)}
     for p in plans:
         out[p.name] = {"total_gib": round(p.total / GIB, 3), "limit_gib": round(p.limit / GIB, 3),
-                       "compile_s": round(p.compile_s, 2),
+                       "compile_s": round(p.compile_s, 2), "chosen": p.chosen,
                        "parts_gib": {k: round(v / GIB, 3) for k, v in p.parts.items()},
                        "analysis_gib": {k: round(v / GIB, 3) for k, v in p.analysis.items()}}
     return out
@@ -96,7 +98,9 @@ def longest(preset: str, devices: int, lora: bool, lengths: Sequence[int],
         result = tried[n] = run_plan(base + [f"rollout.max_new_tokens={n}"], extra)
         print(f"  {preset} {'lora' if lora else 'full'} N={n}: "
               + ", ".join(f"{k} {result[k]['total_gib']:.1f}" for k in ("train step", "rollout"))
-              + (" GiB: fits" if result["fits"] else " GiB: does NOT fit"), flush=True)
+              + (" GiB: fits" if result["fits"] else " GiB: does NOT fit")
+              + "".join(f"\n    {c}" for k in ("train step", "rollout") for c in result[k]["chosen"]),
+              flush=True)
         return result["fits"]
 
     lo, hi = -1, len(lengths)  # lengths[lo] fits (or lo = -1), lengths[hi] does not

@@ -166,23 +166,54 @@ def test_context_attention_equals_unsplit_attention(implementation):
         _close(a, c, f"d{name}")
 
 
-def _planned(limit_gb: float, **over):
+def _long_run(limit_gb: float, mesh=None, train=None):
+    """A packed GRPO run of long completions on a device of `limit_gb`."""
     from conftest import TINY_MODEL, make_config
-    from gpurl.train.loop import build
-    from gpurl.train.plan import memory_plan
 
     train = {"steps": 1, "batch_size": 4, "micro_batch_size": 4, "eval_every": 0,
-             "checkpoint_every": 0, "eval_batch_size": 4, **over.pop("train", {})}
-    cfg = make_config(
+             "checkpoint_every": 0, "eval_batch_size": 4, **(train or {})}
+    return make_config(
         algo={"name": "grpo", "num_generations": 4},
         model=dict(TINY_MODEL, tokenizer="bytes", d_model=64, mlp_dim=256, num_heads=4,
                    num_kv_heads=4, head_dim=32),
         data={"name": "arithmetic", "num_train": 64, "num_eval": 0, "max_len": 16},
         train=train, rollout={"max_new_tokens": 2000, "slots": 64},
-        mesh={"data": 2, "context": 2}, plan={"device_memory_gb": limit_gb},
+        mesh=mesh or {"data": 2, "context": 2}, plan={"device_memory_gb": limit_gb},
         logger={"progress": False})
-    cfg, setup, stepper = build(cfg)
-    return cfg, stepper, {p.name: p for p in memory_plan(cfg, setup, stepper)}
+
+
+def _planned(limit_gb: float, mesh=None, train=None):
+    """(config, stepper, plans by name) of `_long_run`, built and planned as `gpurl train`
+    does (`fitted`: mesh.context=auto resolved)."""
+    from gpurl.train.loop import build
+    from gpurl.train.plan import fitted
+
+    cfg, _, stepper, plans = fitted(_long_run(limit_gb, mesh, train), build)
+    return cfg, stepper, {p.name: p for p in plans}
+
+
+@pytest.mark.slow
+def test_context_auto_picks_the_narrowest_width_whose_train_step_fits():
+    """mesh.context=auto (the default; 1 where the train step fits, as every other plan in
+    the suite shows): on a device where one row per micro-batch does not fit at width 1
+    but does at 2, width 2, its devices taken from the data axis (fsdp is 1), said in the
+    plan; the run then trains on that mesh."""
+    from gpurl.train.loop import build
+    from gpurl.train.plan import _train_plan
+
+    one_row = {}  # the train step's total with one row per micro-batch, by width
+    for width, mesh in ((1, {"data": 4, "context": 1}), (2, {"data": 2, "context": 2})):
+        run = _long_run(100.0, mesh, train={"micro_batch_tokens": 1})
+        one_row[width] = _train_plan(*build(run)).total
+    assert one_row[2] < one_row[1], one_row
+    limit = (one_row[1] + one_row[2]) / 2
+    cfg, stepper, tight = _planned(limit / 2**30, mesh={"data": 4})
+    train = tight["train step"]
+    assert train.fits, train.table()
+    assert (cfg.mesh.context_width, cfg.mesh.data, cfg.mesh.fsdp) == (2, 2, 1), cfg.mesh
+    assert stepper.context == 2 and dict(stepper.setup.place.mesh.shape)["context"] == 2
+    assert train.chosen[0].startswith("mesh.context=auto -> 2 with mesh.fsdp=1 mesh.data=2"), (
+        train.chosen)
 
 
 @pytest.mark.slow

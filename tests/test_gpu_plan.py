@@ -65,14 +65,19 @@ def test_grpo_compiles_for_four_h200s_with_cudnn_attention(compiler):
 def test_context_axis_compiles_for_h200s_with_the_pallas_kernel(compiler):
     """Rows split over a context axis of 2 (x data 2): the train step's attention runs the
     Pallas kernel under the gather (cuDNN's index-based mask cannot describe a split
-    row), and the account counts its interconnect traffic."""
+    row), and the account counts its interconnect traffic. Prompts of 64 tokens prefill
+    in chunks of 16 (`rollout.prefill_chunk`): each chunk attends to the prompts' key
+    buffer by position, on the Pallas kernel too."""
     out = gpu_compiler.gpurl(compiler, "plan", "algo=grpo", *TINY, "model.attention=auto",
-                             "plan.target=h200", "plan.devices=4", "mesh.data=2", "mesh.context=2")
+                             "plan.target=h200", "plan.devices=4", "mesh.data=2", "mesh.context=2",
+                             "plan.prompt_len=64", "rollout.prefill_chunk=16")
     assert out.returncode == 0, out.stderr
     assert "'context': 2" in out.stdout
-    train = _table(out.stdout, "train step")
+    train, rollout = _table(out.stdout, "train step"), _table(out.stdout, "rollout")
     assert "GPU kernels: Pallas (Triton) x" in train and "cuDNN" not in train
     assert "interconnect:" in train and "at NVLink's 450 GB/s" in train
+    assert " prompts x 64 tokens" in rollout.split("rollout prefill per prefill")[1], rollout
+    assert "GPU kernels: Pallas (Triton) x" in rollout and "cuDNN" not in rollout, rollout
     assert "[gpurl] plan: fits" in out.stdout
 
 

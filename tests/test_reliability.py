@@ -202,7 +202,7 @@ def test_mesh_sizes_that_do_not_fit_the_devices():
     with pytest.raises(ConfigError, match=r"mesh.data\*mesh.fsdp\*mesh.context\*mesh.expert\*mesh.tp = 6 "
                                           r"but there are 4 devices; choose sizes whose product is 4"):
         trainer_mesh(MeshConfig(data=3, fsdp=2), jax.devices())
-    with pytest.raises(ConfigError, match=r"mesh sizes data=-1 fsdp=3 context=1 expert=1 tp=1 do not "
+    with pytest.raises(ConfigError, match=r"mesh sizes data=-1 fsdp=3 context=auto expert=1 tp=1 do not "
                                           r"fit 4 devices"):
         trainer_mesh(MeshConfig(data=-1, fsdp=3), jax.devices())
 

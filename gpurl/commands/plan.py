@@ -28,8 +28,8 @@ from gpurl.models.loading import PACKAGED
 from gpurl.models.transformer import remat_policy
 from gpurl.train import efficiency
 from gpurl.train.loop import build
-from gpurl.train.plan import GIB, ProgramPlan, advice, memory_plan
-from gpurl.train.stepper import Setup
+from gpurl.train.plan import GIB, ProgramPlan, advice, fitted
+from gpurl.train.stepper import Setup, Stepper
 
 # plan.devices without plan.device_memory_gb: the simulated devices are GPUs of this size
 # (H100 / A100 80 GB), not this host's RAM.
@@ -92,10 +92,11 @@ def plan_programs(cfg: Config) -> tuple[Config, Setup, list[ProgramPlan], str]:
     """(the resolved config, what the run builds, the plan of each of its programs, the
     GPU compiler's bound on an RL step: plan.target only)."""
     with compiled_for(cfg):
-        cfg, setup, stepper = build(planned_config(cfg))
-        if cfg.plan.prompt_len:
-            stepper.plan_prompt_len(cfg.plan.prompt_len)
-        plans = memory_plan(cfg, setup, stepper)
+        def prepare(stepper: Stepper) -> None:
+            if cfg.plan.prompt_len:
+                stepper.plan_prompt_len(cfg.plan.prompt_len)
+
+        cfg, setup, stepper, plans = fitted(planned_config(cfg), build, prepare)
         bound = (efficiency.accounts(cfg, setup, stepper, plans, targets.gpu(cfg.plan.target))
                  if cfg.plan.target else "")
         return cfg, setup, plans, bound

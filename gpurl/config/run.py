@@ -126,6 +126,10 @@ class RolloutConfig:
     # the memory plan (plan.check) to what fits beside the weights (fewer rows decode at once)
     kv_cache_tokens: int = 0
     decode_chunk: int = 16  # decode steps per device call between two scheduling rounds
+    # prompt tokens a prefill computes at once per request (a power of two, >= 16): a longer
+    # prompt or multi-turn trajectory runs in chunks of this many, each attending to the keys
+    # and values of those before it, so no activation spans the whole sequence
+    prefill_chunk: int = 4096
     # `async` is a Python keyword: the YAML key is `async`, the field `async_`.
     async_: bool = False  # overlap the next rollout with training (split placement)
     # split placement: the engine never stops; new weights enter between decode chunks and
@@ -152,6 +156,10 @@ class RolloutConfig:
         for name in ("slots", "block_size", "decode_chunk"):
             _positive(f"rollout.{name}", getattr(self, name))
         _positive("rollout.kv_cache_tokens", self.kv_cache_tokens, allow_zero=True)
+        chunk = self.prefill_chunk
+        if not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
+            raise ConfigError(f"rollout.prefill_chunk={chunk} is not valid; use a power of two "
+                              f"of at least 16 (prompts are padded to powers of two).")
         _positive("rollout.max_lag", self.max_lag, allow_zero=True)
         _positive("rollout.swap_chunks", self.swap_chunks, allow_zero=True)
         _positive("rollout.in_flight", self.in_flight)
@@ -181,8 +189,11 @@ class MeshConfig:
     expert: int = 1  # trainer expert-parallel axis: a mixture-of-experts model's experts are split over it (batch rows too)
     # trainer context-parallel axis: every packed row's tokens are split over it (each device
     # a balanced share of the causal attention; keys and values all-gathered per layer), and
-    # parameters with them like fsdp; for sequences longer than one device's activations hold
-    context: int = 1
+    # parameters with them like fsdp; for sequences longer than one device's activations hold.
+    # A power of two up to 32, -1 to fill, or auto: 1, unless the train step's memory plan
+    # with one row per micro-batch does not fit a device; then the narrowest width that fits,
+    # its devices taken from mesh.fsdp, then mesh.data (the plan says which)
+    context: str = "auto"
     placement: str = "colocated"  # colocated (rollout and trainer share devices) or split
     rollout_devices: int = 0  # split placement: devices given to rollout
     # rollout mesh tensor-parallel axis (its data axis takes the rest): a size, or auto: of
@@ -206,15 +217,16 @@ class MeshConfig:
     def __post_init__(self) -> None:
         _tuplify(self)
         _choice("mesh.placement", self.placement, Placement)
-        for key in ("data", "fsdp", "context", "expert", "tp"):
+        for key in ("data", "fsdp", "expert", "tp"):
             value = getattr(self, key)
             if value == 0 or value < -1:
                 raise ConfigError(f"mesh.{key}={value} is not valid; use a positive size or -1 to fill.")
-        if self.context != -1 and (self.context & (self.context - 1) or self.context > 32):
-            raise ConfigError(f"mesh.context={self.context} is not valid; use a power of two up "
-                              f"to 32 (packed rows, 64 slots or more, split into 2 x "
-                              f"mesh.context equal chunks).")
-        if [self.data, self.fsdp, self.context, self.expert, self.tp].count(-1) > 1:
+        width = self.context_width
+        if width is not None and width != -1 and (width < 1 or width & (width - 1) or width > 32):
+            raise ConfigError(f"mesh.context={self.context} is not valid; use auto, -1 to fill, "
+                              f"or a power of two up to 32 (packed rows, 64 slots or more, "
+                              f"split into 2 x mesh.context equal chunks).")
+        if [self.data, self.fsdp, width, self.expert, self.tp].count(-1) > 1:
             raise ConfigError("Only one of mesh.data, mesh.fsdp, mesh.context, mesh.expert, mesh.tp "
                               "may be -1; set the others.")
         if str(self.rollout_tp) != "auto" and not (str(self.rollout_tp).isdigit()
@@ -228,6 +240,18 @@ class MeshConfig:
                 raise ConfigError(f"mesh.{key} names unknown mesh axes {sorted(bad)}; "
                                   f"use {', '.join(sorted(axes))}.")
 
+
+    @property
+    def context_width(self) -> int | None:
+        """`context` as a size (-1: fill); None for auto (`gpurl.train.plan.fit_context`
+        picks it from the memory plan)."""
+        if str(self.context) == "auto":
+            return None
+        try:
+            return int(self.context)
+        except ValueError:
+            raise ConfigError(f"mesh.context={self.context} is not valid; use auto, -1 to fill, "
+                              f"or a power of two up to 32.") from None
 
     @property
     def rollout_width(self) -> int | None:

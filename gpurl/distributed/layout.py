@@ -1,4 +1,5 @@
-"""The rollout's layout chosen for the user: `mesh.rollout_tp=auto`.
+"""The layouts chosen for the user: the rollout's `mesh.rollout_tp=auto`, and the
+trainer's `mesh.context=auto` candidates (`wider_contexts`; the memory plan picks one).
 
 A rollout replica spans `rollout_tp` devices (tensor parallel), and the rollout devices
 hold `devices / rollout_tp` replicas (data parallel). Each device holds 1 / rollout_tp of
@@ -13,6 +14,7 @@ stays beside the rollout (colocated: the train state) and the rollout's weights.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Sequence
 
@@ -23,6 +25,7 @@ from gpurl.distributed.mesh import held_bytes, rollout_mesh, tree_shardings
 from gpurl.distributed.targets import DEVICES_PER_HOST  # a replica wider crosses the network
 
 ROOM_TOLERANCE = 0.9  # auto: the narrowest width with this share of the most room
+MAX_CONTEXT = 32  # packed rows of 64 slots split into 2 x 32 chunks
 
 
 def widths(devices: int, model: Any) -> list[int]:
@@ -75,3 +78,22 @@ def for_sampling(cfg: MeshConfig, spec: Any, devices: Sequence[jax.Device]) -> M
     """`cfg` resolved for a run that only samples (`gpurl generate`, `gpurl eval`): the
     rollout's weights and KV pool have the whole device."""
     return resolve(cfg, spec, devices, device_bytes(devices[0])[0])[0]
+
+
+def wider_contexts(cfg: MeshConfig, shape: dict[str, int]) -> list[MeshConfig]:
+    """mesh.context=auto's wider candidates, narrowest first: `cfg` with the sizes of the
+    trainer mesh `shape` (built at context 1) spelled out and context 2, 4, ... (up to 32),
+    each width's devices taken from fsdp (the context axis shards parameters as fsdp does,
+    so a device holds as much of them) and what fsdp cannot give from data."""
+    out = []
+    width = 2
+    while width <= MAX_CONTEXT:
+        from_fsdp = math.gcd(width, shape["fsdp"])
+        from_data = width // from_fsdp
+        if shape["data"] % from_data:
+            break
+        out.append(dataclasses.replace(
+            cfg, data=shape["data"] // from_data, fsdp=shape["fsdp"] // from_fsdp,
+            context=str(width), expert=shape["expert"], tp=shape["tp"]))
+        width *= 2
+    return out

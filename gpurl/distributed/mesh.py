@@ -46,9 +46,9 @@ def using_devices(chosen: list[jax.Device]) -> Iterator[None]:
 
 def trainer_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """(data, fsdp, context, expert, tp) mesh over all devices; one size may be -1 to take
-    what is left."""
+    what is left (mesh.context=auto, unresolved: 1)."""
     devices = job_devices() if devices is None else list(devices)
-    sizes = [cfg.data, cfg.fsdp, cfg.context, cfg.expert, cfg.tp]
+    sizes = [cfg.data, cfg.fsdp, cfg.context_width or 1, cfg.expert, cfg.tp]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % fixed:

@@ -37,7 +37,7 @@ from gpurl.kernels.platform import sampling_compiler_options
 from gpurl.models import moe
 from gpurl.models.layers import sharded_rows
 from gpurl.models.spec import ModelSpec, Params, serve
-from gpurl.models.transformer import PagedKV, compute_dtype
+from gpurl.models.transformer import PagedKV, compute_dtype, init_cache
 from gpurl.rollout.blocks import pool_blocks, request_blocks
 from gpurl.rollout.requests import MIN_ROWS, Request, bucket, prompt_width
 from gpurl.rollout.sampling import sample_rows
@@ -245,10 +245,17 @@ class Programs(RolloutModel):
         sampled, truncate = static
         a = self.shards
         b, w = tokens_BxW.shape
-        positions_BxW = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
-        segments_BxW = (positions_BxW < lengths_B[:, None]).astype(jnp.int32)
-        hidden_BxWxD, kv = self.spec.prompt_kv(params, tokens_BxW, positions_BxW, segments_BxW, 1)
-        last_BxD = jnp.take_along_axis(hidden_BxWxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+        if w > self.cfg.prefill_chunk:
+            last_BxD, k_LxBxWxKxE, v_LxBxWxKxE = self._chunked_prompts(params, tokens_BxW,
+                                                                      lengths_B)
+        else:
+            positions_BxW = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+            segments_BxW = (positions_BxW < lengths_B[:, None]).astype(jnp.int32)
+            hidden_BxWxD, kv = self.spec.prompt_kv(params, tokens_BxW, positions_BxW,
+                                                   segments_BxW, 1)
+            last_BxD = jnp.take_along_axis(hidden_BxWxD, (lengths_B - 1)[:, None, None],
+                                           axis=1)[:, 0]
+            k_LxBxWxKxE, v_LxBxWxKxE = kv.k, kv.v
         logits_BxV = self.spec.logits(params, last_BxD)
         def shard(k_LxYxUxKxE, v_LxYxUxKxE, new_k, new_v, logits_PxV, src_B, dest_BxW):
             l, y, u = k_LxYxUxKxE.shape[:3]
@@ -262,7 +269,7 @@ class Programs(RolloutModel):
             return write(k_LxYxUxKxE, new_k), write(v_LxYxUxKxE, new_v), logits_PxV[src_B]
 
         k_pool, v_pool, logits_BxV = jax.vmap(shard)(
-            k_pool, v_pool, _shards_second(kv.k, a), _shards_second(kv.v, a),
+            k_pool, v_pool, _shards_second(k_LxBxWxKxE, a), _shards_second(v_LxBxWxKxE, a),
             _shards_first(logits_BxV, a), _shards_first(src_B, a), _shards_first(dest_BxW, a))
         logits_BxV = logits_BxV.reshape(-1, logits_BxV.shape[-1])
         keys_B = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.key)(seeds_B), offsets_B)
@@ -270,6 +277,40 @@ class Programs(RolloutModel):
                                   sampled, truncate)
         return k_pool, v_pool, tok_B, lp_B, stop_table[stop_set_B, tok_B]
 
+
+    def _chunked_prompts(self, params: Params, tokens_BxW: jax.Array, lengths_B: jax.Array
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(final-norm hidden state of each prompt's last token, every layer's keys and
+        values of the prompts, L x B x W x K x E): the prompts run `rollout.prefill_chunk`
+        tokens at a time, each chunk appended to a cache of the prompts' keys and values and
+        attending to it (causal by position; sliding windows by position too), so no
+        activation spans more than a chunk of a prompt; the keys and values span it all, as
+        the pool they are written to does. A chunk's queries read all W slots, the later
+        ones empty and masked: about twice a causal prefill's attention work, none of its
+        matmuls'."""
+        b, w = tokens_BxW.shape
+        t = self.cfg.prefill_chunk
+        cache = init_cache(self.spec.cfg, b, w)
+        kv_spec = P(None, "data", None, "tp", None)  # rows as the tokens, heads as the pool
+        cache = cache.replace(
+            k=jax.lax.with_sharding_constraint(cache.k, NamedSharding(self.mesh, kv_spec)),
+            v=jax.lax.with_sharding_constraint(cache.v, NamedSharding(self.mesh, kv_spec)))
+        offsets_T = jnp.arange(t, dtype=jnp.int32)
+
+        def chunk(cache, xs):
+            tokens_BxT, start = xs
+            positions_BxT = jnp.broadcast_to(start + offsets_T, (b, t))
+            segments_BxT = (positions_BxT < lengths_B[:, None]).astype(jnp.int32)
+            hidden_BxTxD, cache = self.spec.hidden(params, tokens_BxT, positions_BxT,
+                                                   segments_BxT, cache)
+            at_B = jnp.clip(lengths_B - 1 - start, 0, t - 1)  # the last token, if here
+            return cache, jnp.take_along_axis(hidden_BxTxD, at_B[:, None, None], axis=1)[:, 0]
+
+        tokens_NxBxT = jnp.swapaxes(tokens_BxW.reshape(b, w // t, t), 0, 1)
+        starts_N = jnp.arange(w // t, dtype=jnp.int32) * t
+        cache, here_NxBxD = jax.lax.scan(chunk, cache, (tokens_NxBxT, starts_N))
+        last_BxD = here_NxBxD[(lengths_B - 1) // t, jnp.arange(b)]
+        return last_BxD, cache.k, cache.v
 
     def _chunk_fn(self, static, params, k_pool, v_pool, table_BxI, last_B, lengths_B,
                   left_B, active_B, seeds_B, drawn_B, temperature_B, top_k_B,

@@ -34,7 +34,7 @@ from gpurl.models import count_params, loading
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.metrics import MetricsSink
 from gpurl.train.optim import lr_schedule, train_optimizer
-from gpurl.train.plan import ProgramPlan, check, memory_plan, plan_summary
+from gpurl.train.plan import ProgramPlan, check, fitted, plan_summary
 from gpurl.train.plots import write_curves
 from gpurl.train.preference import PreferenceStepper
 from gpurl.train.rl import RLStepper
@@ -79,7 +79,7 @@ def _check_batch(cfg: Config, divisor: int) -> None:
 def _check_context(cfg: Config, algorithm: registry.Algorithm) -> None:
     """The context axis splits packed rows: RL and preference runs need train.packed
     (SFT's rows are packed by data.packing)."""
-    if cfg.mesh.context > 1 and algorithm.family != Family.SFT and not cfg.train.packed:
+    if (cfg.mesh.context_width or 1) > 1 and algorithm.family != Family.SFT and not cfg.train.packed:
         raise ConfigError(f"mesh.context={cfg.mesh.context} splits packed rows; set "
                           f"train.packed=true (or mesh.context=1).")
 
@@ -218,8 +218,7 @@ def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
     if cfg.plan.target:
         raise ConfigError(f"plan.target={cfg.plan.target} compiles for a GPU without running "
                           f"anything, so it is for `gpurl plan`; drop it from gpurl train.")
-    cfg, setup, stepper = build(cfg)
-    plans = memory_plan(cfg, setup, stepper) if cfg.plan.check else []
+    cfg, setup, stepper, plans = fitted(cfg, build, check=cfg.plan.check)
     check(cfg, plans)  # before anything is allocated; the run reuses the compiled programs
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)

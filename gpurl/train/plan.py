@@ -23,7 +23,7 @@ from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.buckets import three_bits
 from gpurl.config import Config, ConfigError, PlanConfig
-from gpurl.distributed import host, layout, targets
+from gpurl.distributed import host, layout, runtime, targets
 from gpurl.distributed.mesh import batch_divisor, held_bytes
 from gpurl.models.transformer import remat_policy
 from gpurl.rollout.engine import Engine
@@ -203,11 +203,57 @@ def plan_rollout(engine: Engine, rows: int, width: int, group: int, resident: fl
                        request_tokens=width + engine.cfg.max_new_tokens)
 
 
-def memory_plan(cfg: Config, setup: Setup, stepper: Stepper) -> list[ProgramPlan]:
-    """Every program of the run compiled for its mesh from abstract arrays (the train
-    step, and for RL the rollout round), nothing allocated."""
-    local = [d for d in setup.place.mesh.devices.flat if d.process_index == jax.process_index()]
-    limit, source = device_memory(cfg.plan, local[0])
+Built = tuple[Config, Setup, Stepper]
+
+
+def fitted(cfg: Config, build: Callable[[Config], Built],
+           prepare: Callable[[Stepper], None] = lambda stepper: None, check: bool = True
+           ) -> tuple[Config, Setup, Stepper, list[ProgramPlan]]:
+    """`build(cfg)` (then `prepare(stepper)`) and, with `check`, the memory plan of its
+    programs (`memory_plan`). mesh.context=auto: 1, or, when the train step's activations
+    do not fit at the narrowest budget there, the narrowest wider context (fsdp's devices
+    first, `layout.wider_contexts`) whose train step fits: one build and plan per width
+    tried, said in the plan's `chosen`; without `check`, 1."""
+    auto = cfg.mesh.context_width is None
+    if auto:
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, context="1"))
+    built = build(cfg)
+    prepare(built[2])
+    if not check:
+        return *built, []
+    train = _train_plan(*built)
+    wider = layout.wider_contexts(built[0].mesh, dict(built[1].place.mesh.shape))
+    tried = []
+    for mesh in wider if auto and _splits_rows(cfg) else []:
+        if train.fits or train.largest()[0] != "activations / scratch":
+            break
+        tried.append(f"{built[0].mesh.context_width}: {train.total / GIB:.1f}")
+        if runtime.is_main_process():  # a build and a compile per width: say why
+            print(f"[gpurl] plan: the train step needs {train.total / GIB:.1f} of "
+                  f"{train.limit / GIB:.1f} GiB per device at mesh.context="
+                  f"{built[0].mesh.context_width} (auto); planning mesh.context="
+                  f"{mesh.context_width}", flush=True)
+        built = build(dataclasses.replace(cfg, mesh=mesh))
+        prepare(built[2])
+        train = _train_plan(*built)
+    if tried:
+        mesh = built[0].mesh
+        train.chosen.insert(0, (
+            f"mesh.context=auto -> {mesh.context_width} with mesh.fsdp={mesh.fsdp} mesh.data="
+            f"{mesh.data} (the train step at the narrowest budget did not fit at width "
+            f"{', '.join(tried)} GiB per device)"))
+    return *built, memory_plan(*built, train)
+
+
+def _splits_rows(cfg: Config) -> bool:
+    """Whether the context axis applies: SFT's rows, RL's and pairs' with train.packed."""
+    return cfg.train.packed or registry.get(cfg.algo.name).family is Family.SFT
+
+
+def _train_plan(cfg: Config, setup: Setup, stepper: Stepper) -> ProgramPlan:
+    """The train step's plan; train.micro_batch_tokens=0: at the budget that fits
+    (`_fit_budget`)."""
+    limit = _limit(cfg, setup)[0]
 
     def train_plan() -> ProgramPlan:
         return plan_train_step(setup.step_fn, setup.place, stepper.batch_spec(), cfg.optim.freeze,
@@ -218,6 +264,21 @@ def memory_plan(cfg: Config, setup: Setup, stepper: Stepper) -> list[ProgramPlan
         if cfg.train.micro_batch_tokens == 0:
             train = _fit_budget(stepper, train, train_plan)
         train.micro_rows = stepper.batch_spec()["pack/tokens"].shape[0] // stepper.shards
+    return train
+
+
+def _limit(cfg: Config, setup: Setup) -> tuple[float, str]:
+    """(bytes of one of this process's devices, where the figure comes from)."""
+    local = [d for d in setup.place.mesh.devices.flat if d.process_index == jax.process_index()]
+    return device_memory(cfg.plan, local[0])
+
+
+def memory_plan(cfg: Config, setup: Setup, stepper: Stepper,
+                train: ProgramPlan | None = None) -> list[ProgramPlan]:
+    """Every program of the run compiled for its mesh from abstract arrays (the train
+    step, planned already or here, and for RL the rollout round), nothing allocated."""
+    limit, source = _limit(cfg, setup)
+    train = train or _train_plan(cfg, setup, stepper)
     rollout = stepper.rollout_plan(limit)
     if rollout is not None and cfg.rollout.kv_cache_tokens == 0:
         rollout = _fit_pool(stepper, rollout, limit)
@@ -306,9 +367,7 @@ def advice(cfg: Config, plan: ProgramPlan) -> str:
     smaller = [d for d in range(plan.batch_shards, micro, plan.batch_shards) if micro % d == 0]
     if plan.name == "train step" and smaller:
         fixes.append(f"train.micro_batch_size={smaller[-1]}")
-    # the context axis splits packed rows (SFT's rows always; RL's and pairs' with train.packed)
-    splits = cfg.train.packed or registry.get(cfg.algo.name).family is Family.SFT
-    if plan.name == "train step" and splits and part == "activations / scratch":
+    if plan.name == "train step" and _splits_rows(cfg) and part == "activations / scratch":
         if plan.micro_rows > 1:  # one row per micro-batch and batch shard
             fixes.append("train.micro_batch_tokens=1")
         wider = plan.context * 2  # each row over more devices (data or fsdp narrower)
