@@ -243,7 +243,7 @@ class MeshConfig:
 
     @property
     def context_width(self) -> int | None:
-        """`context` as a size (-1: fill); None for auto (`gpurl.train.plan.fit_context`
+        """`context` as a size (-1: fill); None for auto (`gpurl.train.plan.fitted`
         picks it from the memory plan)."""
         if str(self.context) == "auto":
             return None

@@ -222,9 +222,10 @@ def fitted(cfg: Config, build: Callable[[Config], Built],
     if not check:
         return *built, []
     train = _train_plan(*built)
-    wider = layout.wider_contexts(built[0].mesh, dict(built[1].place.mesh.shape))
+    wider = (layout.wider_contexts(built[0].mesh, dict(built[1].place.mesh.shape))
+             if auto and _splits_rows(cfg) else [])
     tried = []
-    for mesh in wider if auto and _splits_rows(cfg) else []:
+    for mesh in wider:
         if train.fits or train.largest()[0] != "activations / scratch":
             break
         tried.append(f"{built[0].mesh.context_width}: {train.total / GIB:.1f}")
