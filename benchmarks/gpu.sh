@@ -3,15 +3,17 @@
 # minutes: the `gpu` test tier (cuDNN and Triton-compiled Pallas attention vs xla, the real
 # Gemma 3 270M's bf16 logits vs fp32), train-step MFU (gemma2b-sized, bf16), decode tokens/s
 # against the HBM-bandwidth bound (gemma2b-sized random weights, batch 256, bf16), and the
-# real main job for 10 steps with its GRPO step breakdown (rollout / reward / train / sync);
-# one summary table at the end. Each part has a time limit; a part that fails or runs out
+# real main job for 10 steps with its GRPO step breakdown (rollout / reward / train / sync),
+# and the MoE grouped matmul (Pallas, Triton) against a dense matmul of the same useful
+# flops; one summary table at the end. Each part has a time limit; a part that fails or runs out
 # is reported and the next one runs.
 #
 #   benchmarks/gpu.sh [OUT_DIR]      # GPU: JSON + logs in OUT_DIR, a summary table at the end
 #   benchmarks/gpu.sh --cpu-smoke    # the same pieces at tiny sizes on CPU (checks the script)
 #
 # Parts: pytest -m gpu (tests/test_gpu.py, tests/test_attention.py), benchmarks/train_step.py
-# (MFU), benchmarks/decode.py, benchmarks/grpo_step.py (the main job through `gpurl train`).
+# (MFU), benchmarks/decode.py, benchmarks/grpo_step.py (the main job through `gpurl train`),
+# benchmarks/moe.py kernel.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -29,13 +31,15 @@ if [ $SMOKE = 1 ]; then
               --batch 2 --seq 128 --matmul 512 --repeats 2 --attention xla"
   DECODE_ARGS="--cpu-smoke"
   GRPO_ARGS="--cpu-smoke"
-  LIMITS=(120 600 300 300)
+  MOE_ARGS="--rows 256 --d-model 128 --expert-width 64 --experts 8 --repeats 2"
+  LIMITS=(120 600 300 300 120)
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
   TRAIN_ARGS=""  # train_step.py's defaults: gemma2b, bf16, batch 4 x 2048 tokens
   DECODE_ARGS="--model gemma2b --dtype bfloat16 --batch 256 --prompt-tokens 128 --new-tokens 128"
   GRPO_ARGS="--steps 10"  # the main job: GRPO on Gemma 3 270M (bf16 on GPU), 4 prompts x G=8
-  LIMITS=(90 140 80 150)  # seconds: 460 in all, leaving the rest of 8 minutes for start-up
+  MOE_ARGS=""  # qwen3_30b_a3b's experts: D 2048, F 768, 16 per device, 512 and 16,384 copies
+  LIMITS=(90 140 80 150 40)  # seconds: 500 in all, leaving the rest of 9 minutes for start-up
 fi
 
 run_part() {  # name, limit seconds, command...
@@ -58,6 +62,7 @@ run_part gpu_tests "${LIMITS[0]}" env JAX_PLATFORMS=$TIER_PLATFORMS "$PY" -m pyt
 run_part train_step "${LIMITS[1]}" "$PY" benchmarks/train_step.py $TRAIN_ARGS --json "$OUT/train_step.json"
 run_part decode "${LIMITS[2]}" "$PY" benchmarks/decode.py $DECODE_ARGS --json "$OUT/decode.json"
 run_part grpo_step "${LIMITS[3]}" "$PY" benchmarks/grpo_step.py $GRPO_ARGS --json "$OUT/grpo_step.json"
+run_part moe_kernel "${LIMITS[4]}" "$PY" benchmarks/moe.py kernel $MOE_ARGS --json "$OUT/moe_kernel.json"
 
 "$PY" - "$OUT" <<'EOF'
 import json, sys
@@ -105,6 +110,14 @@ if (g := load("grpo_step")) is not None:
         print(f"| main job {k} (median) | {v:.3g} | |")
 else:
     print("| GRPO step | not measured (see grpo_step.log) | |")
+if (k := load("moe_kernel")) is not None:
+    for r in k["rows"]:
+        if r["implementation"] != "dense matmul":
+            print(f"| MoE grouped matmul, {r['implementation']}, {r['rows']:,} copies, {r['pass']} | "
+                  f"{r['tflops']:.1f} useful TFLOP/s, {r['vs_dense']:.0%} of a dense matmul's | "
+                  f"{'>= 60%' if r['implementation'] == 'pallas' else ''} |")
+else:
+    print("| MoE grouped matmul | not measured (see moe_kernel.log) | >= 60% |")
 EOF
 [ -f "$OUT/failed.txt" ] && cat "$OUT/failed.txt"
 echo "gpu.sh: $((SECONDS - START)) s in all; results in $OUT"

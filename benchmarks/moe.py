@@ -4,6 +4,7 @@ sampler-vs-trainer log-prob gap in bf16.
 
     python benchmarks/moe.py steps --repeats 5 --json moe_steps.json   # ~3 min on 2 cores
     python benchmarks/moe.py replay --steps 4 --json moe_replay.json   # ~2 min
+    python benchmarks/moe.py kernel --json moe_kernel.json             # GPU: ~1 min
 
 `steps`: one SFT train step (forward, next-token loss, backward; no optimizer) of a small
 decoder whose MLPs are 16 experts of width 256 with 2 per token (active MLP width 512)
@@ -13,7 +14,12 @@ timed steps after one warm-up. `replay`: `gpurl train algo=grpo model=tiny_moe` 
 with model.moe.replay_routing off and on (same seed, so the same first rollout), the
 trainer-minus-sampler log-prob gap of the sampled tokens (`mismatch/logprob_abs_mean`) and the
 share of replayed expert choices the trainer's router would have made otherwise
-(`moe/replay_flips`), per step.
+(`moe/replay_flips`), per step. `kernel`: the grouped matmul alone (the implementation
+`auto` picks here: the Pallas kernels on GPU, the jnp tiles on CPU, and `ragged_dot`),
+forward and forward + both gradients, bf16 on GPU (fp32 on CPU), at decode and train
+sizes of `qwen3_30b_a3b`'s experts on one device (D 2048, F 768, 16 experts, random
+group sizes), against one dense matmul of the same useful flops: TFLOP/s of useful work
+and the share of the dense matmul's.
 """
 
 from __future__ import annotations
@@ -99,6 +105,55 @@ def run_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _timed(fn, args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_kernel(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from gpurl.kernels.grouped_matmul import grouped_matmul, resolve
+
+    gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    d, f, experts = args.d_model, args.expert_width, args.experts
+    impls = [resolve("auto"), "ragged"]
+    rows = []
+    for rows_n in args.rows:
+        key = jax.random.key(rows_n)
+        x = jax.random.normal(key, (rows_n, d), dtype)
+        w = (jax.random.normal(jax.random.fold_in(key, 1), (experts, d, f)) / d ** 0.5).astype(dtype)
+        cuts = jnp.sort(jax.random.randint(jax.random.fold_in(key, 2), (experts - 1,), 0, rows_n + 1))
+        sizes = jnp.diff(jnp.concatenate([jnp.zeros(1, cuts.dtype), cuts, jnp.full(1, rows_n, cuts.dtype)]))
+        dense_w = w[0]
+        useful = 2.0 * rows_n * d * f
+        programs = {"dense matmul": (lambda x, w, s: x @ dense_w, lambda x, w, s: jax.grad(
+            lambda x, w: (x @ w).astype(jnp.float32).sum(), (0, 1))(x, dense_w))}
+        for impl in impls:
+            programs[impl] = (
+                lambda x, w, s, impl=impl: grouped_matmul(x, w, s, impl),
+                lambda x, w, s, impl=impl: jax.grad(
+                    lambda x, w: grouped_matmul(x, w, s, impl).astype(jnp.float32).sum(), (0, 1))(x, w))
+        for pass_name, index, work in (("forward", 0, useful), ("forward + gradients", 1, 3 * useful)):
+            dense_s = None
+            for name, fns in programs.items():
+                s = _timed(jax.jit(fns[index]), (x, w, sizes), args.repeats)
+                dense_s = s if name == "dense matmul" else dense_s
+                rows.append({"rows": rows_n, "pass": pass_name, "implementation": name, "s": s,
+                             "tflops": work / s / 1e12, "vs_dense": dense_s / s})
+    print(f"\n| rows | pass | implementation ({jax.default_backend()}, {jnp.dtype(dtype).name}) "
+          f"| ms | useful TFLOP/s | vs dense |")
+    print("| ---: | --- | --- | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['rows']:,} | {r['pass']} | {r['implementation']} | {r['s'] * 1e3:.3f} | "
+              f"{r['tflops']:.2f} | {r['vs_dense']:.2f} |")
+    return rows
+
+
 def _grpo(replay: bool, steps: int, out: Path) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -143,10 +198,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     steps.add_argument("--repeats", type=int, default=5)
     replay = sub.add_parser("replay")
     replay.add_argument("--steps", type=int, default=4)
-    for p in (steps, replay):
+    kernel = sub.add_parser("kernel")
+    kernel.add_argument("--rows", type=int, nargs="+", default=[512, 16384],
+                        help="token copies per call (decode-sized, train-sized)")
+    kernel.add_argument("--d-model", type=int, default=2048)
+    kernel.add_argument("--expert-width", type=int, default=768)
+    kernel.add_argument("--experts", type=int, default=16)
+    kernel.add_argument("--repeats", type=int, default=10)
+    for p in (steps, replay, kernel):
         p.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    rows = run_steps(args) if args.what == "steps" else run_replay(args)
+    rows = {"steps": run_steps, "replay": run_replay, "kernel": run_kernel}[args.what](args)
     if args.json:
         args.json.write_text(json.dumps({
             "rows": rows, "args": {k: str(v) for k, v in vars(args).items()},

@@ -108,3 +108,37 @@ def test_the_decode_loop_reads_weights_in_the_compute_dtype(compiler):
             in done.stdout), done.stdout
     decode = _ratios(done.stdout, "rollout decode chunk")
     assert decode["bytes"] <= 1.25, decode
+
+
+# A one-layer mixture of experts whose experts dominate (16 experts, 2 per token, bf16, no
+# remat, full fine-tuning: the weight gradient runs too), its experts split over 2 GPUs:
+# 2,048 train tokens give every expert 256 copies (two whole tiles), a decode step of 8
+# rows reads every routed expert once.
+ONE_MOE_LAYER = ["algo=grpo", "model=tiny_moe", "model.num_layers=1", "model.d_model=2048",
+                 "model.num_heads=16", "model.num_kv_heads=16", "model.head_dim=128",
+                 "model.moe.num_experts=16", "model.moe.expert_mlp_dim=1024",
+                 "model.dtype=bfloat16", "model.remat=none", "train.batch_size=2",
+                 "algo.num_generations=4", "rollout.max_new_tokens=192", "plan.prompt_len=64",
+                 "data.num_eval=0", "plan.target=h100", "plan.devices=2", "mesh.data=1",
+                 "mesh.expert=2"]
+
+
+def test_a_one_layer_mixture_of_experts_is_accounted_as_counted_by_hand(compiler):
+    """The experts run as the Pallas grouped matmul (`auto` on GPU), never as ragged_dot's
+    expansion to every expert: the train step's flops are 6NT with N the active
+    parameters (k of E experts), the decode step reads the weights once."""
+    done = gpu_compiler.gpurl(compiler, "plan", *ONE_MOE_LAYER)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for program in ("train step", "rollout"):
+        table = done.stdout.split(f"{program} (GiB per device")[1].split(" (GiB per device")[0]
+        kernels = table.split("GPU kernels: ")[1].splitlines()[0]
+        assert "Pallas grouped matmul (Triton)" in kernels and "ragged_dot" not in kernels, kernels
+    train = _ratios(done.stdout, "train step")
+    decode = _ratios(done.stdout, "rollout decode chunk")
+    prefill = _ratios(done.stdout, "rollout prefill")
+    assert 0.9 <= train["flops"] <= 1.15, train
+    assert 0.9 <= decode["bytes"] <= 1.15, decode
+    assert 0.9 <= prefill["flops"] <= 1.15, prefill
+    # the token dispatch (all-gather) and combine (reduce-scatter) over the expert axis
+    train_account = done.stdout.split("compiler's account, train step per")[1].split("compiler's account")[0]
+    assert "expert parallelism: " in train_account and " GB per device by the experts' token" in train_account

@@ -1,7 +1,8 @@
 """Every program a run compiles, lowered for CUDA on this CPU machine (CI has no GPU).
 
 `gpurl.train.lowering.lower` builds the run with a GPU's choices (attention `auto` ->
-cuDNN, Pallas kernels for Triton instead of the interpreter, bf16, ragged MoE matmuls) and
+cuDNN, Pallas kernels for Triton instead of the interpreter, bf16, the MoE grouped matmul
+as Pallas kernels) and
 lowers each program (train step, eval step, RL prepare, rollout prefill and decode chunk,
 preference log-probs) with `lowering_platforms=("cuda",)` under a 2 x 2 mesh of this
 machine's devices. A GPU-only path that stops lowering (a Pallas op without a Triton rule,
@@ -58,7 +59,8 @@ RUNS = {
                              ["train step", "prepare", "rollout prefill", "rollout decode chunk"]),
     "dpo, auto": ("dpo", dict(MODEL, attention="auto"), PREFS, ["train step", "sequence log-probs"]),
     "rm, auto": ("rm", dict(MODEL, attention="auto"), PREFS, ["train step"]),
-    "moe sft, auto (ragged)": ("sft", dict(MOE, attention="auto"), {}, ["train step", "eval step"]),
+    "moe sft, auto (pallas grouped matmul)": ("sft", dict(MOE, attention="auto"), {},
+                                              ["train step", "eval step"]),
 }
 
 
@@ -83,8 +85,9 @@ def test_every_program_lowers_for_cuda(name, tmp_path):
     if "rollout decode chunk" in lowered and model["attention"] != "xla":
         decode = lowered["rollout decode chunk"]  # paged Pallas decode (cuDNN has none)
         assert decode.count(TRITON) >= 1 and MANUAL.search(decode.text)
-    if model.get("moe"):
-        assert "ragged_dot" in train.text
+    if model.get("moe"):  # the experts' grouped matmul: forward, input and weight gradients
+        assert "gpurl_grouped_mm" in train.text and "gpurl_grouped_tmm" in train.text
+        assert "ragged_dot" not in train.text
     for program in lowered.values():
         assert "lowering_platforms" not in program.text and len(program.text) > 1000
 

@@ -68,6 +68,28 @@ def test_triton_paged_decode_matches_reference(window, softcap):
 
 
 @gpu_only
+@pytest.mark.parametrize("sizes", [[50, 0, 97, 1, 60, 52], [0, 0, 300, 0, 0, 0]])
+def test_triton_grouped_matmul_matches_ragged_dot(sizes):
+    """The MoE grouped matmul's Pallas kernels compiled by Triton (`auto` on GPU) against
+    `jax.lax.ragged_dot`, fp32: forward, input gradient, weight gradient."""
+    from gpurl.kernels.grouped_matmul import grouped_matmul
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(300, 96)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(6, 96, 80)), jnp.float32)
+    sizes = jnp.asarray(sizes)
+
+    def loss(impl, x, w):
+        return (jnp.sin(grouped_matmul(x, w, sizes, impl)) ** 2).sum()
+    for fn in (lambda impl, x, w: grouped_matmul(x, w, sizes, impl),
+               lambda impl, x, w: jax.grad(lambda x, w: loss(impl, x, w), (0, 1))(x, w)):
+        want = jax.jit(lambda x, w: fn("ragged", x, w))(x, w)
+        got = jax.jit(lambda x, w: fn("pallas", x, w))(x, w)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-3)
+
+
+@gpu_only
 def test_real_model_bf16_logits_match_fp32(gemma3_gguf: Path):
     """Gemma 3 270M on 64 tokens of text: bf16 compute against fp32 (same weights)."""
     rng = np.random.default_rng(0)
@@ -94,7 +116,8 @@ def test_real_model_bf16_logits_match_fp32(gemma3_gguf: Path):
 @pytest.mark.e2e
 def test_the_gpu_command_passes_its_cpu_smoke_form(tmp_path):
     """`benchmarks/gpu.sh --cpu-smoke`: every part of the GPU command at tiny sizes on CPU
-    (the gpu tier collected and skipped, train-step MFU, decode, the main job's breakdown),
+    (the gpu tier collected and skipped, train-step MFU, decode, the main job's breakdown, the
+MoE grouped matmul),
     so the one command a lent GPU runs is known to work end to end before it gets one."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gpu"
@@ -105,6 +128,7 @@ def test_the_gpu_command_passes_its_cpu_smoke_form(tmp_path):
     assert not (out / "failed.txt").exists(), (out / "failed.txt").read_text()
     table = run.stdout[run.stdout.index("| measurement |"):]
     assert "not measured" not in table and "did not run" not in table, table
-    for row in ("gpu test tier", "train step MFU", "decode tok/s", "main job", "GRPO rollout"):
+    for row in ("gpu test tier", "train step MFU", "decode tok/s", "main job", "GRPO rollout",
+                "MoE grouped matmul, tiled"):
         assert row in table, table
 

@@ -237,3 +237,28 @@ def test_bfloat16_model_head_is_float32(tied):
     ref = np.take_along_axis(logq, targets_BxT[..., None], -1)[..., 0]
     # float32 rounding of 32-term sums of magnitude ~30 and of the log-sum-exp
     np.testing.assert_allclose(logp, ref, rtol=0, atol=32 * np.finfo(np.float32).eps * 50)
+
+
+def test_the_head_chunk_is_the_logits_budget_of_every_row_shard():
+    """A chunk of the chunked head counts tokens over the whole batch; its default budget
+    is one device's logits, so rows split over 4 devices get 4x the tokens per chunk (each
+    device then reads the head's weight once per `default_chunk_size` of its own tokens,
+    not once per quarter of it)."""
+    import jax
+    from gpurl.algorithms.forward import head_chunk
+    from gpurl.config import MeshConfig
+    from gpurl.distributed.mesh import batch_sharding, trainer_mesh
+    from gpurl.kernels.logprob import default_chunk_size
+    from gpurl.models import model_spec
+    from gpurl.models.layers import sharded_rows
+    from conftest import make_config
+
+    spec = model_spec(make_config().model)
+    one = default_chunk_size(spec.cfg.vocab_size)
+    assert head_chunk(spec) == one and head_chunk(spec, 48) == 48
+    rules = MeshConfig().train_rules
+    for mesh, shards in (({"data": 4}, 4), ({"data": 2, "tp": 2}, 2), ({"data": 1, "fsdp": 4}, 4)):
+        rows = batch_sharding(trainer_mesh(MeshConfig(**mesh), jax.devices()[:4]), rules)
+        with sharded_rows(rows, rules):
+            assert head_chunk(spec) == one * shards, mesh
+            assert head_chunk(spec, share=2) == max(one // 2, 16) * shards, mesh

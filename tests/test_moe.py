@@ -164,24 +164,34 @@ def test_router_terms_equal_transformers_load_balancing_loss(ckpt):
 
 
 @pytest.mark.slow
-def test_grouped_matmul_tiled_equals_ragged_dot():
+@pytest.mark.parametrize("sizes", [
+    [50, 0, 97, 1, 60, 52],  # an empty group, a one-row group, rows past the groups
+    [0, 0, 300, 0, 0, 0],  # one group holds every row
+    [13, 71, 2, 0, 88, 126],  # random sizes, every row in a group
+])
+def test_grouped_matmul_tiled_and_pallas_equal_ragged_dot(sizes):
+    """Forward, input gradient and weight gradient of the jnp tiles and of the Pallas
+    kernels (Pallas's interpreter) against `jax.lax.ragged_dot` and NumPy."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(300, 24)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(6, 24, 40)), jnp.float32)
-    sizes = jnp.asarray([50, 0, 97, 1, 60, 52])  # an empty group, rows past the groups
-    for impl in ("ragged", "tiled"):
+    sizes = jnp.asarray(sizes)
+    used = int(sizes.sum())
+    ref = np.zeros((300, 40), np.float32)
+    for g, (a, b) in enumerate(zip(np.cumsum(sizes) - sizes, np.cumsum(sizes))):
+        ref[a:b] = np.asarray(x[a:b]) @ np.asarray(w[g])
+    for impl in ("ragged", "tiled", "pallas"):
         out = grouped_matmul(x, w, sizes, impl)
-        assert float(jnp.abs(out[260:]).max()) == 0.0
-    ref = np.concatenate([np.asarray(x[a:b]) @ np.asarray(w[g]) for g, (a, b) in enumerate(
-        zip(np.cumsum(sizes) - sizes, np.cumsum(sizes)))])
-    np.testing.assert_allclose(grouped_matmul(x, w, sizes, "tiled")[:260], ref, rtol=1e-5, atol=1e-4)
+        assert float(jnp.abs(out[used:]).max(initial=0.0)) == 0.0, impl
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4, err_msg=impl)
 
     def loss(impl, x, w):
         return (jnp.sin(grouped_matmul(x, w, sizes, impl)) ** 2).sum()
     ga = jax.grad(functools.partial(loss, "ragged"), (0, 1))(x, w)
-    gb = jax.grad(functools.partial(loss, "tiled"), (0, 1))(x, w)
-    for a, b in zip(ga, gb):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    for impl in ("tiled", "pallas"):
+        gb = jax.grad(functools.partial(loss, impl), (0, 1))(x, w)
+        for name, a, b in zip(("dx", "dw"), ga, gb):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4, err_msg=f"{impl} {name}")
 
 
 def _moe_sft_config(mesh: dict) -> object:
@@ -339,3 +349,59 @@ def test_load_balancing_defaults_follow_the_algorithm():
     assert loop._router_defaults(cfg, registry.get("grpo")).moe.aux_loss_coef == 0.01
     dense = dataclasses.replace(unset, moe=dataclasses.replace(unset.moe, num_experts=0))
     assert loop._router_defaults(dense, registry.get("sft")).moe.aux_loss_coef == 0.0
+
+
+@functools.cache
+def _moe_grpo_step(matmul: str):
+    """A GRPO step of the tiny Qwen3-MoE model, expert parallel over expert=2 x tp=2 with
+    capacity 2 and routing replay, its experts' matmuls by `matmul`: (prepared batch,
+    metrics, gradients, step metrics)."""
+    from test_packing import CASES, _collected, _config, _grads, _prepared
+
+    model = CASES["moe"]["model"]
+    model = dict(model, moe=dataclasses.replace(model["moe"], grouped_matmul=matmul,
+                                                capacity_factor=2.0))
+    cfg = _config("grpo", model=model, mesh={"data": 1, "expert": 2, "tp": 2}, algo={"beta": 0.04})
+    _, setup, stepper = loop.build(cfg)
+    params = setup.init().params
+    collected, rewards = _collected(stepper, multi_turn=False)
+    batch, metrics, m = _prepared(stepper, params, collected, rewards, packed=True)
+    grads, step_metrics = _grads(setup, batch, m)
+    return jax.device_get((batch, metrics, grads, step_metrics))
+
+
+@pytest.mark.slow
+def test_grpo_step_with_the_pallas_grouped_matmul_equals_the_tiled_one():
+    """The Pallas kernels (in Pallas's interpreter) give the jnp tiles' GRPO step: the
+    prepared log-probs, every metric (router terms and dropped copies included) and every
+    gradient, fp32 within 1e-5."""
+    tiled, pallas = _moe_grpo_step("tiled"), _moe_grpo_step("pallas")
+    for part in (1, 3):
+        assert set(tiled[part]) == set(pallas[part])
+        for k in tiled[part]:
+            np.testing.assert_allclose(pallas[part][k], tiled[part][k], rtol=1e-5, atol=1e-5, err_msg=k)
+    assert "ref_logprobs" in tiled[0]
+    for k in tiled[0]:
+        np.testing.assert_allclose(pallas[0][k], tiled[0][k], rtol=1e-5, atol=1e-5, err_msg=k)
+    leaves = jax.tree_util.tree_leaves_with_path(tiled[2])
+    assert any("moe" in jax.tree_util.keystr(p) for p, _ in leaves)
+    for (path, a), b in zip(leaves, jax.tree.leaves(pallas[2])):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    assert float(np.abs(pallas[2]["blocks"]["moe"]["gate"]).max()) > 0  # the experts learn
+
+
+def test_the_pallas_grouped_matmul_refuses_operands_past_32_bit_offsets():
+    from gpurl.kernels import pallas_grouped
+    from gpurl.kernels.grouped_matmul import tile_layout
+
+    rows, d = 2**21, 1024
+    layout = jax.eval_shape(lambda s: tile_layout(rows, s, 16), jax.ShapeDtypeStruct((8,), jnp.int32))
+    layout = layout._replace(tile=16, tiles=rows // 16)
+    with pytest.raises(ConfigError) as info:
+        jax.eval_shape(lambda x, w: pallas_grouped.tiled_matmul(x, w, layout),
+                       jax.ShapeDtypeStruct((rows, d), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((8, d, 64), jnp.bfloat16))
+    assert str(info.value) == (
+        "the Pallas grouped matmul addresses its operands with 32-bit offsets, and 2,097,152 "
+        "token copies x 1024 or 8 experts x 1024 x 64 do not fit them; use smaller "
+        "micro-batches (train.micro_batch_tokens) or model.moe.grouped_matmul=ragged.")

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from gpurl.algorithms import grpo
 from gpurl.algorithms.behaviour import mismatch_metrics
 from gpurl.algorithms.choices import Choices
-from gpurl.algorithms.forward import (group_logprobs, group_states, head_params, row_head,
-                                      row_hidden, shifted_targets, states_logprobs,
+from gpurl.algorithms.forward import (group_logprobs, group_states, head_chunk, head_params,
+                                      row_head, row_hidden, shifted_targets, states_logprobs,
                                       states_pair)
 from gpurl.algorithms.objective import Batch, Objective, Teacher
 from gpurl.algorithms.policy_gradient import aggregate, flat_rows, policy_loss, token_normalizer
@@ -290,7 +290,8 @@ def kd_objective(cfg: KDConfig, rollout: RolloutConfig) -> Objective:
                 row_head(row_hidden(teacher.spec, teacher.params, batch), batch)[0])
         div_BxT, ce_BxT, nll_BxT, correct_BxT = chunked_pair_head(
             spec.logits, head_params(spec, params), head_BxTxD, teacher.spec.logits,
-            head_params(teacher.spec, teacher.params), teacher_BxTxD, targets_BxT, stats)
+            head_params(teacher.spec, teacher.params), teacher_BxTxD, targets_BxT, stats,
+            head_chunk(spec, share=2))
         loss_sum = (((1.0 - weight) * div_BxT + weight * ce_BxT) * mask_BxT).sum()
         metrics = {"loss": loss_sum / norm, name: (div_BxT * mask_BxT).sum() / norm,
                    "nll": (nll_BxT * mask_BxT).sum() / norm,

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gpurl.algorithms.forward import head_params, row_head, row_hidden, shifted_targets
+from gpurl.algorithms.forward import head_chunk, head_params, row_head, row_hidden, shifted_targets
 from gpurl.algorithms.objective import Batch, Objective
 from gpurl.config import RolloutConfig, SFTConfig
 from gpurl.kernels.logprob import chunked_head
@@ -45,7 +45,7 @@ def objective(cfg: SFTConfig, rollout: RolloutConfig) -> Objective:
         head_BxTxD, targets_BxT, mask_BxT = row_head(row_hidden(spec, params, batch), batch)
         # The head runs chunk by chunk: B x T x V logits never exist (`chunked_head`).
         ce_BxT, nll_BxT, correct_BxT = chunked_head(spec.logits, head_params(spec, params),
-                                                    head_BxTxD, targets_BxT, stats)
+                                                    head_BxTxD, targets_BxT, stats, head_chunk(spec))
         loss_sum = (ce_BxT * mask_BxT).sum()
         metrics = {"loss": loss_sum / norm, "nll": (nll_BxT * mask_BxT).sum() / norm,
                    "token_accuracy": (correct_BxT * mask_BxT).sum() / norm,

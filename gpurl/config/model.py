@@ -58,9 +58,12 @@ class MoEConfig:
     # Switch Transformer capacity; dropped copies add nothing, logged as moe/dropped);
     # 0 = never drop (buffers for every copy); sampling never drops
     capacity_factor: float = 0.0
-    # the experts' grouped matmul: auto (tiled), tiled (jnp: tokens sorted by expert in
-    # fixed-size tiles, one expert per tile), ragged (jax.lax.ragged_dot, which XLA expands
-    # into a matmul of every token with every expert, on GPU too: E x the flops)
+    # the experts' grouped matmul: auto (pallas on GPU, ragged on TPU, tiled on CPU),
+    # pallas (Triton kernels over the tiled layout: only routed rows, each tile reading its
+    # expert's weight; Pallas's interpreter off GPU), tiled (jnp: tokens sorted by expert in
+    # fixed-size tiles, one expert per tile, each tile copying its expert's weight), ragged
+    # (jax.lax.ragged_dot, which XLA's GPU and CPU compilers expand into a matmul of every
+    # token with every expert: E x the flops)
     grouped_matmul: str = "auto"
 
     def __post_init__(self) -> None:
@@ -72,7 +75,7 @@ class MoEConfig:
         _positive("model.moe.capacity_factor", self.capacity_factor, allow_zero=True)
         if self.aux_loss_coef is not None:
             _positive("model.moe.aux_loss_coef", self.aux_loss_coef, allow_zero=True)
-        _choice("model.moe.grouped_matmul", self.grouped_matmul, ("auto", "ragged", "tiled"))
+        _choice("model.moe.grouped_matmul", self.grouped_matmul, ("auto", "pallas", "ragged", "tiled"))
         if self.num_experts and self.experts_per_token > self.num_experts:
             raise ConfigError(f"model.moe.experts_per_token={self.experts_per_token} exceeds "
                               f"model.moe.num_experts={self.num_experts}; route each token to "

@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from gpurl.models.moe import EXPERT_DISPATCH
+
 DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
                "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
                "f64": 8, "s64": 8, "u64": 8, "c64": 8, "token": 0}
@@ -161,11 +163,13 @@ class Cost:
     bytes: float = 0.0
     by_kind: dict[str, float] = field(default_factory=dict)  # bytes by what moved them
     link: float = 0.0  # bytes one device sends or receives over the interconnect (collectives)
+    expert_link: float = 0.0  # ... of which a mixture of experts' dispatch and combine
 
     def add(self, other: Cost, times: float = 1.0) -> None:
         self.flops += other.flops * times
         self.bytes += other.bytes * times
         self.link += other.link * times
+        self.expert_link += other.expert_link * times
         for k, v in other.by_kind.items():
             self.by_kind[k] = self.by_kind.get(k, 0.0) + v * times
 
@@ -345,7 +349,10 @@ class Account:
         elif op.startswith(COLLECTIVES):
             moved = sum(a.bytes for a in reads) + ins.bytes
             cost.charge("collectives", moved)
-            cost.link += _link_bytes(op, sum(a.bytes for a in reads), ins.bytes)
+            link = _link_bytes(op, sum(a.bytes for a in reads), ins.bytes)
+            cost.link += link
+            if EXPERT_DISPATCH in ins.attrs:
+                cost.expert_link += link
         elif op == "dot":
             cost.charge("matmuls", sum(a.bytes for a in reads) + ins.bytes, _dot_flops(ins, shapes))
         else:
@@ -448,6 +455,8 @@ class Account:
             cost.charge("attention", moved, _cudnn_flops(ins, shapes, target))
         elif "gpurl_paged_decode" in ins.attrs:
             cost.charge("attention", *self._paged(ins, shapes))
+        elif "gpurl_grouped_" in ins.attrs:
+            cost.charge("matmuls", *_grouped(ins, shapes))
         elif "gpurl_flash" in ins.attrs:
             cost.charge("attention", moved, _flash_flops(ins, shapes, self.hints.context))
         else:
@@ -484,6 +493,23 @@ def _cudnn_flops(ins: Instr, shapes: dict[str, list[Array]], target: str) -> flo
     if '"mask_type":"CAUSAL"' in ins.attrs.replace(" ", ""):
         flops /= 2
     return flops * (2.5 if target.endswith("Backward") else 1.0)
+
+
+def _grouped(ins: Instr, shapes: dict[str, list[Array]]) -> tuple[float, float]:
+    """(bytes, flops) of the Pallas grouped matmul kernels (`gpurl.kernels.pallas_grouped`)
+    at the rows a balanced routing lays out (the kernel's name says how many; the tiles
+    past them read nothing): `gpurl_grouped_mm` reads those rows of x, each expert's weight
+    once (the other tiles of an expert read it from L2) and writes every tile;
+    `gpurl_grouped_tmm` (the weight gradient) reads those rows of x and dy and writes the
+    weights' gradient."""
+    rows = float(re.search(r"gpurl_grouped_t?mm_rows(\d+)", ins.attrs).group(1))
+    _, _, x, other = (shapes[o][0] for o in ins.operands)
+    depth, item = x.dims[1], DTYPE_BYTES[x.dtype]
+    if "gpurl_grouped_tmm" in ins.attrs:
+        cols = other.dims[1]
+        return rows * (depth + cols) * item + ins.bytes, 2.0 * rows * depth * cols
+    cols = ins.shape[0].dims[1]
+    return rows * depth * item + other.bytes + ins.bytes, 2.0 * rows * depth * cols
 
 
 def _flash_flops(ins: Instr, shapes: dict[str, list[Array]], context: int = 1) -> float:

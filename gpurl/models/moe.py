@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from typing import Any, Iterator
 
@@ -36,8 +37,13 @@ from jax.sharding import PartitionSpec as P
 
 from gpurl.config import ConfigError, ModelConfig, MoEConfig
 from gpurl.models.axes import logical_spec
-from gpurl.kernels.grouped_matmul import grouped_matmul, resolve, tile_layout, tiled_matmul
+from gpurl.kernels.grouped_matmul import (grouped_matmul, layout_matmul, resolve, smallest_tile,
+                                         tile_layout)
 from gpurl.models.layers import ACTIVATIONS, Layout, context_axis, layout, param
+
+# the name scope of the token dispatch and combine, which the GPU compiler's account
+# (`gpurl.distributed.account`) counts as expert parallelism's interconnect traffic
+EXPERT_DISPATCH = "expert_dispatch"
 
 # logical axes of the expert weights (gate and up, down)
 IN_AXES = ("expert", "embed", "expert_mlp")
@@ -146,17 +152,21 @@ class _Experts:
         gate_weight = gates.reshape(-1)[order]
         dt = x_flat.dtype
         gate, up, down = (w.astype(dt) for w in (gate, up, down))
-        if resolve(self.matmul) == "tiled":
+        if resolve(self.matmul) in ("tiled", "pallas"):
             # the copies go straight into the tiled layout, and stay there through the
             # three matmuls (no sorted copy of the tokens beside it)
-            lay = tile_layout(rows, sizes_O)
+            lay = tile_layout(rows, sizes_O, smallest_tile(self.matmul))
             copy = jnp.full(lay.tiles * lay.tile, -1, jnp.int32).at[lay.slot].set(
                 jnp.arange(rows, dtype=jnp.int32), mode="drop")
             token = jnp.where(copy >= 0, token[copy], 0)
             gate_weight = jnp.where(copy >= 0, gate_weight[copy], 0)
             x_pad = jnp.where((copy >= 0)[:, None], x_flat[token], 0)
-            hidden = self.act(tiled_matmul(x_pad, gate, lay)) * tiled_matmul(x_pad, up, lay)
-            out_copies = tiled_matmul(hidden, down, lay)
+            # what a balanced routing lays out: every local expert n k / E rows
+            balanced = count * -(-n * k // (experts * lay.tile)) * lay.tile
+            mm = functools.partial(layout_matmul, layout=lay, implementation=self.matmul,
+                                   balanced_rows=balanced)
+            hidden = self.act(mm(x_pad, gate)) * mm(x_pad, up)
+            out_copies = mm(hidden, down)
         else:
             copies = x_flat[token]
             hidden = (self.act(grouped_matmul(copies, gate, sizes_O, self.matmul))
@@ -207,13 +217,16 @@ class _Experts:
             tokens = (x_BxTxD.reshape(bl * t, d), top_experts.reshape(bl * t, -1),
                       top_weights.reshape(bl * t, -1))
             if dispatch:
-                tokens = tuple(jax.lax.all_gather(a, dispatch, axis=0, tiled=True) for a in tokens)
+                with jax.named_scope(EXPERT_DISPATCH):
+                    tokens = tuple(jax.lax.all_gather(a, dispatch, axis=0, tiled=True)
+                                   for a in tokens)
             first = jax.lax.axis_index(expert_axes) * gate.shape[0] if expert_axes else 0
             out, dropped = self.local(*tokens, gate, up, down, first, experts, capacity)
             if summed:
                 out = jax.lax.psum(out, summed)
             if dispatch:
-                out = jax.lax.psum_scatter(out, dispatch, scatter_dimension=0, tiled=True)
+                with jax.named_scope(EXPERT_DISPATCH):
+                    out = jax.lax.psum_scatter(out, dispatch, scatter_dimension=0, tiled=True)
             # counted once: summed over the devices of other experts and other rows (the
             # devices splitting one expert's hidden width drop the same copies)
             split = expert_axes + row_axes + ((context,) if context else ())
@@ -223,8 +236,12 @@ class _Experts:
             return out.reshape(bl, t, d).astype(x_BxTxD.dtype), dropped
 
         rows = P(row_axes or None, context, None)
+        # Pallas's interpreter cannot check which values vary over the mesh inside a kernel
+        # (as with the attention kernels); the equality tests hold the gradients to the
+        # checked jnp path
         return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, in_spec, in_spec, out_spec),
-                             out_specs=(rows, P()))(x_BxTxD, top_experts, top_weights, *weights)
+                             out_specs=(rows, P()), check_vma=resolve(self.matmul) != "pallas")(
+            x_BxTxD, top_experts, top_weights, *weights)
 
 
 def _names(entry: Any) -> tuple[str, ...]:

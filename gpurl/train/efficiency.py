@@ -94,6 +94,11 @@ class ProgramAccount:
             out.append(f"  interconnect: {self.cost.link / GB:.2f} GB per device by collectives "
                        f"-> {link_s * 1e3:.3f} ms at NVLink's {gpu.link_bandwidth / GB:.0f} GB/s "
                        f"({link_s / t:.2f}x the roofline time, hidden only where it overlaps)")
+            if self.cost.expert_link:
+                expert_s = self.cost.expert_link / gpu.link_bandwidth
+                out.append(f"  expert parallelism: {self.cost.expert_link / GB:.2f} GB per device "
+                           f"by the experts' token dispatch and combine -> {expert_s * 1e3:.3f} ms "
+                           f"({expert_s / t:.2f}x the roofline time)")
         return out + [f"  {n}" for n in self.notes]
 
 

@@ -64,13 +64,22 @@ _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 def kernel_note(compiled: list[Any]) -> str:
     """A note counting the calls of each kernel library GPU programs run (cuDNN attention,
-    Pallas kernels compiled by Triton): what `auto` picked."""
+    Pallas kernels compiled by Triton, the experts' grouped matmul): what `auto` picked, and
+    the `jax.lax.ragged_dot` matmuls XLA expanded to every expert, if any."""
     counts: dict[str, int] = {}
     for c in compiled:
-        for call in _CUSTOM_CALL.findall(c.as_text()):
-            for prefix, kernel in GPU_KERNELS.items():
-                if call.startswith(prefix):
-                    counts[kernel] = counts.get(kernel, 0) + 1
+        for line in c.as_text().splitlines():
+            call = _CUSTOM_CALL.search(line)
+            if call is not None:
+                kernel = next((k for p, k in GPU_KERNELS.items() if call.group(1).startswith(p)), None)
+                if kernel == "Pallas (Triton)" and "gpurl_grouped_" in line:
+                    kernel = "Pallas grouped matmul (Triton)"
+            elif " dot(" in line and "ragged_dot" in line:
+                kernel = "ragged_dot expanded to every expert by XLA"
+            else:
+                continue
+            if kernel is not None:
+                counts[kernel] = counts.get(kernel, 0) + 1
     listed = ", ".join(f"{k} x{n}" for k, n in counts.items()) or "XLA's own fusions only"
     return f"GPU kernels: {listed}"
 
