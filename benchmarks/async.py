@@ -6,9 +6,9 @@ so their lengths have a long tail (most stop at the newline after a few tokens, 
 to the limit). Each mode is built, warmed up (one step: its programs compile), then timed
 over `--steps` steps, the three modes in one run:
 
-- sync: `rollout.async=false` (each step samples, then trains);
-- one_step_off: `rollout.async=true` (step s+1's first round sampled while step s trains);
-- continuous: `rollout.continuous=true` (the engine never stops; new weights enter
+- sync: `rollout.mode=sync` (each step samples, then trains);
+- one_step_off: `rollout.mode=one_ahead` (step s+1's first round sampled while step s trains);
+- continuous: `rollout.mode=continuous` (the engine never stops; new weights enter
   between decode chunks; `rollout.swap_chunks=0`: as soon as they are computed).
 
 Reported per mode, over the whole timed window (from the first timed step's start until
@@ -45,10 +45,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gpurl.cli.compose import validate  # noqa: E402
+from gpurl.rollout.engine import Stream  # noqa: E402
 from gpurl.train.loop import build  # noqa: E402
 
-MODES = {"sync": [], "one_step_off": ["rollout.async=true"],
-         "continuous": ["rollout.continuous=true", "rollout.swap_chunks=0"]}
+ITERATE = Stream.iterate  # the untimed scheduling iteration (`Timeline.watch_engine`)
+
+MODES = {"sync": [], "one_step_off": ["rollout.mode=one_ahead"],
+         "continuous": ["rollout.mode=continuous", "rollout.swap_chunks=0"]}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -98,15 +101,14 @@ class Timeline:
             now = time.perf_counter()
             self.compile.append((now - seconds, now))
 
-    def watch_engine(self, engine: Any) -> None:
-        iterate = engine._iterate
-
-        def timed(*a: Any) -> Any:
+    def watch_engine(self) -> None:
+        """Times every scheduling iteration of every generation (`Stream.iterate`)."""
+        def timed(stream: Stream, *a: Any) -> Any:
             t0 = time.perf_counter()
-            out = iterate(*a)
+            out = ITERATE(stream, *a)
             self.rollout.append((t0, time.perf_counter()))
             return out
-        engine._iterate = timed
+        Stream.iterate = timed
 
     def watch_train(self, params: Any, dispatched: float) -> threading.Thread:
         """The train step that was dispatched at `dispatched` ends when `params` are."""
@@ -134,7 +136,7 @@ class Timeline:
 def run(mode: str, args: argparse.Namespace) -> tuple[dict, Timeline, float]:
     cfg, setup, stepper = build(validate(overrides(args, mode)))
     line = Timeline()
-    line.watch_engine(stepper.engine)
+    line.watch_engine()
     state = setup.init()
     for step in range(args.warmup):  # compiles
         state, _ = stepper.step(state, step)

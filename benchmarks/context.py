@@ -69,7 +69,7 @@ class Width:
 
     def memory(self) -> float:
         s = self.stepper
-        args = (self.state.params, s.ref_params, s.rm_params, None, self.batch, self.rewards, s.carry)
+        args = (self.state.params, *s.frozen.values(), self.batch, self.rewards, s.carry)
         batch = jax.eval_shape(s._prepare, *args)[0]
         m = self.setup.step_fn.jitted.lower(self.state, batch, None, *self.static).compile(
             ).memory_analysis()

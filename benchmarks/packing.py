@@ -104,7 +104,7 @@ def train_phase(setup: Any, stepper: Any, state: Any, batch: dict, rewards: jax.
     parameters' arrival) of an RL stepper on a collected batch."""
     s = stepper
     t0 = time.perf_counter()
-    prepared, _, _ = s._prepare(state.params, s.ref_params, s.rm_params, None, batch, rewards,
+    prepared, _, _ = s._prepare(state.params, *s.frozen.values(), batch, rewards,
                                 s.carry)
     state, metrics = setup.step_fn(state, prepared, None, *static)
     jax.block_until_ready((state.params, metrics))
@@ -143,7 +143,7 @@ class Layout:
     def measure_memory(self) -> None:
         """Arguments + temporaries per device of the prepare step and of the train step."""
         s = self.stepper
-        args = (self.state.params, s.ref_params, s.rm_params, None, self.batch, self.rewards,
+        args = (self.state.params, *s.frozen.values(), self.batch, self.rewards,
                 s.carry)
         prepared = s._prepare.lower(*args).compile()
         batch = jax.eval_shape(s._prepare, *args)[0]
@@ -172,7 +172,7 @@ def gpu_costs(args: argparse.Namespace, clen_PxG: np.ndarray) -> None:
 
     from gpurl.commands.plan import compiled_for, planned_config, start_backend
     from gpurl.config import PlanConfig
-    from gpurl.train.plan import abstract, sharded
+    from gpurl.distributed.mesh import abstract, sharded
 
     start_backend(PlanConfig(target=args.gpu))
     args.micro = args.prompts  # one micro-batch each: XLA counts the micro-batch loop's body once

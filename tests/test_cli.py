@@ -17,11 +17,11 @@ def _gpurl(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_overrides_compose_into_frozen_config():
-    cfg = validate(["model.d_model=32", "train.steps=7", "optim.lr=3e-4", "rollout.async=true",
+    cfg = validate(["model.d_model=32", "train.steps=7", "optim.lr=3e-4", "rollout.mode=one_ahead",
                     "data=jsonl", "data.path=/tmp/x.jsonl", "mesh.train_rules.embed=[tp]"])
     assert isinstance(cfg, Config)
     assert (cfg.model.d_model, cfg.train.steps, cfg.optim.lr) == (32, 7, 3e-4)
-    assert cfg.rollout.async_ is True
+    assert cfg.rollout.mode == "one_ahead"
     assert cfg.data.name == "jsonl" and cfg.data.max_len == 512  # group option's own values
     assert cfg.mesh.train_rules["embed"] == ("tp",)
     assert cfg.run.dir == "runs/grpo-gemma3_270m-jsonl"  # interpolated, the same on every process
@@ -103,5 +103,5 @@ def test_help_lists_groups_and_cfg_prints_config():
         assert group in help_text
     job = _gpurl("train", "--cfg", "job", "train.steps=9")
     assert job.returncode == 0
-    assert "steps: 9" in job.stdout and "async: false" in job.stdout
+    assert "steps: 9" in job.stdout and "mode: sync" in job.stdout
     assert "unknown command 'trian'" in _gpurl("trian").stderr

@@ -1,4 +1,4 @@
-"""Continuous rollouts (`rollout.continuous`, `gpurl.rollout.continuous`): the engine never
+"""Continuous rollouts (`rollout.mode=continuous`, `gpurl.rollout.continuous`): the engine never
 stops, new weights enter between decode chunks, each step trains the first groups ready,
 no trained token is older than `rollout.max_lag` versions, and a deterministic swap
 schedule (`rollout.swap_chunks`) makes a run bit-reproducible."""
@@ -23,7 +23,7 @@ def _config(tmp_path, **rollout: Any):
         data={"name": "arithmetic", "num_train": 64, "num_eval": 4, "max_len": 16},
         optim={"lr": 1e-2, "warmup_steps": 0, "decay": "constant"},
         train={"steps": 4, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0},
-        rollout={"max_new_tokens": 8, "decode_chunk": 2, "continuous": True, **rollout},
+        rollout={"max_new_tokens": 8, "decode_chunk": 2, "mode": "continuous", **rollout},
         logger={"progress": False}, run={"dir": str(tmp_path)}, rewards=["test_grpo:printable"])
 
 
@@ -53,7 +53,7 @@ def _planned_pools(stepper) -> None:
     rollout.in_flight batches) at least as large as the one it allocated, and an
     evaluation's beside it."""
     plan = stepper.rollout_plan(limit=2.0**40)
-    pool = stepper.continuous.stream.pool
+    pool = stepper.source.stream.pool
     held = sum(x.addressable_shards[0].data.nbytes for x in pool)
     rows, width, _ = stepper._round_shape()
     assert held > stepper.engine.pool_bytes(rows, width)  # more than one batch's pool
@@ -122,25 +122,24 @@ def test_a_deterministic_swap_schedule_reproduces_a_run_bit_for_bit(tmp_path):
                    for x, y in zip(a, b))
 
 
-def test_continuous_mode_needs_split_placement_and_excludes_async(tmp_path):
-    with pytest.raises(ConfigError, match=r"^rollout.continuous and rollout.async are both set; "
-                                          r"continuous mode overlaps rollout and training "
-                                          r"itself, so set one\.$"):
-        RolloutConfig(continuous=True, async_=True)
+def test_continuous_mode_needs_split_placement_and_a_lag(tmp_path):
+    with pytest.raises(ConfigError, match=r"^rollout.mode='fast' is not valid; use one of: "
+                                          r"sync, one_ahead, continuous\.$"):
+        RolloutConfig(mode="fast")
     with pytest.raises(ConfigError, match=r"^rollout.in_flight=3 is more than rollout.max_lag=2: "
                                           r".* set rollout.in_flight<=2 or rollout.max_lag>=3\.$"):
-        RolloutConfig(continuous=True, in_flight=3)
+        RolloutConfig(mode="continuous", in_flight=3)
     with pytest.raises(ConfigError, match=r"^rollout.max_lag=0 .* set rollout.max_lag>=1 or "
-                                          r"rollout.continuous=false\.$"):
-        RolloutConfig(continuous=True, max_lag=0)
+                                          r"rollout.mode=one_ahead\.$"):
+        RolloutConfig(mode="continuous", max_lag=0)
     from gpurl.train.loop import build
 
     cfg = make_config(algo={"name": "grpo", "num_generations": 4},
                       model=dict(TINY_MODEL, tokenizer="bytes"), data={"name": "arithmetic",
                       "num_train": 8, "num_eval": 0, "max_len": 16},
                       train={"steps": 1, "batch_size": 4, "eval_every": 0},
-                      rollout={"max_new_tokens": 4, "continuous": True},
+                      rollout={"max_new_tokens": 4, "mode": "continuous"},
                       logger={"progress": False}, run={"dir": str(tmp_path)})
-    with pytest.raises(ConfigError, match=r"^rollout.continuous needs mesh.placement=split .*"
-                                          r"\(rollout.async\)\.$"):
+    with pytest.raises(ConfigError, match=r"^rollout.mode=continuous needs mesh.placement=split "
+                                          r".*\(rollout.mode=one_ahead\)\.$"):
         build(cfg)

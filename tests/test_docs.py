@@ -30,8 +30,8 @@ def test_field_comments_are_the_docs():
     assert optim["freeze"].doc.startswith("regexes over parameter paths")  # comment block above
     assert optim["freeze"].default == "[]"
     rollout = {d.key: d for d in config_docs.field_docs(RolloutConfig)}
-    # The YAML key of `async_`; its own trailing comment wins over the note above it.
-    assert rollout["async"].doc.startswith("overlap the next rollout")
+    # a comment block above the field, its doc
+    assert rollout["mode"].doc.startswith("sync: each step samples, then trains; one_ahead")
 
 
 def test_undocumented_field_is_an_error():

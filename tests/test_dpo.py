@@ -308,7 +308,7 @@ def test_tiny_dpo_learns_preference(tmp_path):
 def test_reference_free_algorithms_skip_the_reference(tmp_path, monkeypatch):
     """SimPO and ORPO never build or run a reference model (DPO's reference pass is checked
     by the tiny run: its implicit rewards start at exactly 0)."""
-    from gpurl.train import preference
+    from gpurl.train import frozen, preference
     from gpurl.train.stepper import Setup
 
     _letters_vs_digits(tmp_path / "prefs.jsonl", 24, seed=1)
@@ -322,7 +322,7 @@ def test_reference_free_algorithms_skip_the_reference(tmp_path, monkeypatch):
     def init(*_):
         raise AssertionError("a reference-free algorithm built the reference model")
 
-    monkeypatch.setattr(preference, "initial_policy", init)
+    monkeypatch.setattr(frozen, "initial_policy", init)
     for name, fields in (("simpo", {"beta": 2.0}), ("orpo", {})):
         cfg = make_config(algo={"name": name, **fields}, model=MODEL,
                           data={"name": "jsonl", "path": str(tmp_path / "prefs.jsonl"),
@@ -330,11 +330,12 @@ def test_reference_free_algorithms_skip_the_reference(tmp_path, monkeypatch):
                           train={"batch_size": 8})
         algorithm = registry.get(name)
         setup = Setup(algorithm, cfg.algo, spec, algorithm.objective(cfg.algo, cfg.rollout),
-                      byte_tokenizer(), place, step_fn, init)
+                      byte_tokenizer(), place, step_fn, init,
+                      frozen.Frozen.of(algorithm, cfg.algo, spec, place, cfg.mesh, False, 0))
         stepper = preference.PreferenceStepper.build(setup, cfg)
         seen.clear()
         stepper.step(None, 0)
-        assert stepper.ref_params is None and "ref_logps" not in seen
+        assert stepper.reference is None and "ref_logps" not in seen
         assert seen["completions"].shape[:2] == (8, 2) and seen["pair_mask"].sum() == 8
 
 

@@ -161,7 +161,7 @@ def test_continuous_rollouts_over_two_processes_take_each_version_together(tmp_p
     processes' engines by the step's batch (rollout/version = step), no trained token is
     older than rollout.max_lag, every trained row is scored once where it lives, and a
     second run reproduces the first's figures exactly."""
-    args = GRPO_ARGS + ["mesh.placement=split", "mesh.rollout_devices=2", "rollout.continuous=true",
+    args = GRPO_ARGS + ["mesh.placement=split", "mesh.rollout_devices=2", "rollout.mode=continuous",
                         "rollout.swap_chunks=2", "rollout.max_lag=1", "rollout.in_flight=1",
                         "rollout.decode_chunk=2"]
     procs = []

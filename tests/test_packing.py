@@ -226,7 +226,7 @@ def _prepared(stepper, params, collected, rewards, packed: bool):
         m = plan.num_micro
     else:
         m = stepper.train.num_micro_batches
-    batch, metrics, _ = stepper._prepare(params, stepper.ref_params, stepper.rm_params, None,
+    batch, metrics, _ = stepper._prepare(params, *stepper.frozen.values(),
                                          collected, rewards, stepper.carry)
     return batch, metrics, m
 

@@ -155,7 +155,7 @@ def test_grpo_sigterm_and_kill_mid_save_resume_exactly(tmp_path):
 
 
 # Continuous rollouts with the deterministic swap schedule (`rollout.swap_chunks`)
-CONTINUOUS = GRPO + ["mesh.placement=split", "mesh.rollout_devices=1", "rollout.continuous=true",
+CONTINUOUS = GRPO + ["mesh.placement=split", "mesh.rollout_devices=1", "rollout.mode=continuous",
                      "rollout.swap_chunks=2", "rollout.max_lag=2", "rollout.in_flight=2",
                      "rollout.decode_chunk=2"]
 

@@ -45,7 +45,7 @@ def _collector(num_prompts: int, batch_size: int, max_refills: int, shaping: Any
     engine = SimpleNamespace(run=run, rewards=[])
     collector = Collector(engine, list(range(num_prompts)), group=2, batch_size=batch_size,
                           seed=7, shaping=shaping or Shaping(8), drop_equal=max_refills > 0,
-                          rounds=1 + max_refills, to_trainer=lambda x: x, batch_sharding=None,
+                          rounds=1 + max_refills, batch_sharding=None, colocated=True,
                           pad_id=0)
     return collector, drawn
 
@@ -261,7 +261,7 @@ def test_dynamic_sampling_draws_each_prompt_once_per_epoch_whatever_the_refills(
 
 @pytest.mark.e2e
 def test_async_rounds_are_sampled_a_step_ahead_and_corrected(tmp_path):
-    """rollout.async=true with split placement on 2 host devices, 3 steps: step 2's round 0
+    """rollout.mode=one_ahead with split placement on 2 host devices, 3 steps: step 2's round 0
     is sampled while step 1 trains, with the parameters step 1 started from (its sampler
     log-probs equal a rollout of those parameters, not of step 2's); step 2 computes pi_old
     with its own parameters and weights each token by min(pi_old / pi_sampler, 2), which
@@ -278,7 +278,7 @@ def test_async_rounds_are_sampled_a_step_ahead_and_corrected(tmp_path):
         data={"name": "arithmetic", "num_train": 64, "num_eval": 8, "max_len": 16},
         optim={"lr": 1e-2, "warmup_steps": 0, "decay": "constant"},
         train={"steps": 3, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0},
-        rollout={"max_new_tokens": 8, "temperature": 1.0, "async_": True},
+        rollout={"max_new_tokens": 8, "temperature": 1.0, "mode": "one_ahead"},
         logger={"progress": False}, run={"dir": str(tmp_path / "async")},
         rewards=["test_grpo:printable"])
     with using_devices(jax.devices()[:2]):
@@ -292,7 +292,7 @@ def test_async_rounds_are_sampled_a_step_ahead_and_corrected(tmp_path):
         theta1 = policy(state)
         state, m1 = stepper.step(state, 1)
         theta2 = policy(state)
-        ahead_step, ahead = stepper._prefetched
+        ahead_step, ahead = stepper.source.prefetched
         assert ahead_step == 2
         assert stepper.state_meta()["data_position"] == stepper.collector.position - 1 == 2
         position = stepper.collector.position - 1

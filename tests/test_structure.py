@@ -162,6 +162,41 @@ def test_moved_keys_keep_working_with_a_notice(capsys):
                                                            ("reward_timeout_s", "rewards.timeout_s"))]
 
 
+def test_replaced_rollout_keys_name_the_mode_and_old_run_directories_read_as_it():
+    for old, mode in (("rollout.async", "one_ahead"), ("rollout.continuous", "continuous")):
+        with pytest.raises(ConfigError, match=rf"^{old} was replaced by rollout.mode; set "
+                                              rf"rollout.mode={mode} \(one of sync, one_ahead, "
+                                              rf"continuous\) instead\.$"):
+            validate([f"{old}=true"])
+    for rollout, mode in (({"async": True}, "one_ahead"), ({"async": False}, "sync"),
+                          ({"continuous": True, "async": False}, "continuous"),
+                          ({"continuous": False}, "sync")):
+        assert registry.parse({"rollout": rollout}).rollout.mode == mode, rollout
+
+
+def test_the_rollout_mode_is_read_in_one_module_of_rollout_which_imports_nothing_of_train():
+    """`rollout.mode` reaches the RL step only through the batch-source protocol: one module
+    reads it (a `.mode` off a RolloutConfig argument or a `.rollout` attribute), and nothing
+    in gpurl/rollout/ imports gpurl/train/."""
+    readers = set()
+    for name, path in _modules().items():
+        if name.startswith("gpurl.config"):
+            continue
+        tree = ast.parse(path.read_text())
+        configs = {a.arg for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
+                   for a in fn.args.args + fn.args.kwonlyargs
+                   if a.annotation is not None and "RolloutConfig" in ast.unparse(a.annotation)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "mode":
+                owner = ast.unparse(node.value)
+                if owner in configs or owner.split(".")[-1] == "rollout":
+                    readers.add(name)
+        if name.startswith("gpurl.rollout"):
+            top, _ = _imports(path)
+            assert not [m for m in top if m.startswith("gpurl.train")], (name, top)
+    assert readers == {"gpurl.rollout.sources"}, readers
+
+
 def test_a_config_yaml_written_before_the_split_still_reads(tmp_path):
     """Run directories of earlier versions hold every algorithm's keys in `algo` and the
     reward keys at the top level; `gpurl export`/`eval` of such a run still work, and

@@ -35,7 +35,7 @@ from gpurl.algorithms.objective import MAXIMUM, Batch
 from gpurl.config import PolicyGradientConfig, TISLevel
 from gpurl.config.algo import RATIO_MASK_OFF
 
-# The cap C of the truncated importance weight on `rollout.async` runs when algo.tis_cap is
+# The cap C of the truncated importance weight on `rollout.mode=one_ahead` runs when algo.tis_cap is
 # null: C = 2, the value of Yao et al. 2025 and the default threshold of verl's rollout
 # correction (`rollout_is_threshold`).
 ASYNC_TIS_CAP = 2.0
@@ -59,7 +59,7 @@ def masked_log_ratio(num_BxT: jax.Array, den_BxT: jax.Array, mask_BxT: jax.Array
 def behaviour_cap(cfg: PolicyGradientConfig, off_policy: bool) -> float | None:
     """The cap C of the truncated importance weight min(pi_old / pi_sampler, C), or None
     when the loss takes no truncated weight: algo.tis_cap when set; on a run that trains
-    rounds sampled a step ahead (`off_policy`, rollout.async or continuous),
+    rounds sampled a step ahead (`off_policy`, rollout.mode one_ahead or continuous),
     `ASYNC_TIS_CAP` unless algo.async_correction=false (which leaves a set algo.tis_cap in
     force)."""
     if cfg.tis_cap is not None:

@@ -22,7 +22,7 @@ Per completion token t (B sequences, N token slots, mask m):
 Batch keys beyond GRPO's (P x G x N unless noted): old_logprobs (always computed: the KL
 reward and GAE read the trainer's own log-probs), ref_logprobs (beta > 0), values,
 returns, advantages (per token), and is_weights with a behaviour correction (algo.tis_cap,
-rollout.async).
+rollout.mode=one_ahead).
 """
 
 from __future__ import annotations

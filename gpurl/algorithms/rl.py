@@ -23,7 +23,7 @@ class RLContext:
     temperature: float  # sampling temperature: log-probs are those of the sampled distribution
     reward_model: ScalarSpec | None = None  # algo.reward_model's spec
     # the batch may hold rounds sampled a step ahead by the previous parameters
-    # (rollout.async with split placement): pi_old is computed and the batch corrected
+    # (rollout.mode=one_ahead with split placement): pi_old is computed and the batch corrected
     off_policy: bool = False
 
 

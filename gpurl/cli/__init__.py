@@ -193,7 +193,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if command == "generate":
         rest = [quote_free_text(a) for a in rest]
-    rest = upgrade_overrides(rest)
+    try:
+        rest = upgrade_overrides(rest)
+    except ConfigError as e:
+        _fail(str(e))
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     _check_launcher(rest)
     if not any(a.split("=")[0] in _HYDRA_INFO_FLAGS for a in rest):

@@ -29,7 +29,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 import gpurl
 from gpurl.algorithms import registry
 from gpurl.config import Config, ConfigError, EvalConfig, GenerateConfig
-from gpurl.config.dicts import MOVED_KEYS, REWARDS_SHORTHAND, yaml_key
+from gpurl.config.dicts import MOVED_KEYS, REWARDS_SHORTHAND, replaced_key, yaml_key
 from gpurl.models import families
 
 
@@ -92,13 +92,17 @@ def register_schemas() -> None:
 def upgrade_overrides(overrides: Sequence[str],
                       notice: Callable[[str], None] | None = None) -> list[str]:
     """Overrides with moved keys renamed (each with a one-line notice) and `rewards=[...]`
-    read as `rewards.functions=[...]`."""
+    read as `rewards.functions=[...]`; a replaced key raises ConfigError naming its
+    successor (`gpurl.config.dicts.REPLACED_KEYS`)."""
     notice = notice or (lambda text: print(text, file=sys.stderr, flush=True))
     short, full = REWARDS_SHORTHAND
     out = []
     for override in overrides:
         prefix = re.match(r"[+~]*", override).group()
         key, sep, value = override[len(prefix):].partition("=")
+        refused = replaced_key(key, value)
+        if refused is not None:
+            raise ConfigError(refused)
         if key == short and sep:
             key = full
         elif key in MOVED_KEYS:

@@ -29,7 +29,7 @@ import yaml
 from gpurl.algorithms import registry
 from gpurl.cli.compose import config_dir
 from gpurl.config import AlgoConfig, Config, EvalConfig, GenerateConfig
-from gpurl.config.dicts import MOVED_KEYS, REWARDS_SHORTHAND, yaml_key
+from gpurl.config.dicts import MOVED_KEYS, REPLACED_KEYS, REWARDS_SHORTHAND, yaml_key
 
 DOC_PATH = Path("docs/configuration.md")
 REGENERATE = "python -m gpurl.cli.config_docs"
@@ -219,7 +219,11 @@ def render(configs: Path | None = None) -> str:
               "one-line notice) and in the config.yaml of older run directories:", ""]
     lines += [f"- `{old}`: now `{new}`" for old, new in MOVED_KEYS.items()]
     lines += [f"- `{REWARDS_SHORTHAND[0]}=[...]` (a list) is short for "
-              f"`{REWARDS_SHORTHAND[1]}=[...]`", ""]
+              f"`{REWARDS_SHORTHAND[1]}=[...]`", "",
+              "Keys replaced by a choice: the command line refuses them with a sentence naming "
+              "the choice; the config.yaml of older run directories is read as that choice.", ""]
+    lines += [f"- `{old}=true`: now `{new}={values[True]}`"
+              for old, (new, values) in REPLACED_KEYS.items()] + [""]
     for command, cls in (("generate", GenerateConfig), ("eval", EvalConfig)):
         sub_groups, _ = _dataclass_fields(cls)
         lines += [f"## `gpurl {command}`", "", " ".join((cls.__doc__ or "").split()), "",

@@ -27,8 +27,8 @@ from gpurl.config.algo import (Advantage, AlgoConfig, CriticBackbone, CriticConf
                                ORPOConfig, PolicyGradientConfig, PPOConfig, RewardModelConfig,
                                SFTConfig, SimPOConfig, TeacherConfig, TISLevel)
 from gpurl.config.model import LoraConfig, MoEConfig, ModelConfig
-from gpurl.config.run import (LoggerName, Placement, OptimConfig, TrainConfig, RolloutConfig,
-                              MeshConfig, LoggerConfig, RunConfig, DistributedConfig,
+from gpurl.config.run import (LoggerName, Placement, RolloutMode, OptimConfig, TrainConfig,
+                              RolloutConfig, MeshConfig, LoggerConfig, RunConfig, DistributedConfig,
                               RewardsConfig, PlanConfig, Config, GenerateConfig, EvalConfig)
 
 __all__ = ["DTYPES", "ConfigError", "lookup", "DataConfig", "EnvConfig", "Advantage",
@@ -37,6 +37,6 @@ __all__ = ["DTYPES", "ConfigError", "lookup", "DataConfig", "EnvConfig", "Advant
            "KLControlConfig", "KLEstimator", "LossAgg", "OPDConfig", "ORPOConfig",
            "PolicyGradientConfig", "PPOConfig", "RewardModelConfig", "SFTConfig", "SimPOConfig",
            "TeacherConfig", "LoraConfig", "MoEConfig", "ModelConfig", "LoggerName", "Placement",
-           "OptimConfig", "TrainConfig", "RolloutConfig", "MeshConfig", "LoggerConfig",
+           "RolloutMode", "OptimConfig", "TrainConfig", "RolloutConfig", "MeshConfig", "LoggerConfig",
            "RunConfig", "DistributedConfig", "RewardsConfig", "PlanConfig", "Config",
            "GenerateConfig", "EvalConfig"]

@@ -180,9 +180,9 @@ class PolicyGradientConfig(AlgoConfig):
     loss_agg: str = "seq_mean_token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm
     importance: str = "token"  # token ratios (GRPO/PPO), sequence (GSPO) or sequence_token (GSPO-token)
     num_iterations: int = 1  # optimizer passes over each batch; > 1 uses the old log-probs
-    # truncated importance sampling: cap C of min(pi_old / pi_sampler, C) per token; null = off (2 on rollout.async runs)
+    # truncated importance sampling: cap C of min(pi_old / pi_sampler, C) per token; null = off (2 on rollout.mode=one_ahead runs)
     tis_cap: Optional[float] = None
-    # rollout.async: weight tokens sampled a step ahead by min(pi_old / pi_sampler, C), C = tis_cap or 2; false = none (unless tis_cap)
+    # rollout.mode=one_ahead: weight tokens sampled a step ahead by min(pi_old / pi_sampler, C), C = tis_cap or 2; false = none (unless tis_cap)
     async_correction: bool = True
     tis_level: str = "token"  # truncated importance weight per token, per sequence (the product of its tokens' ratios) or geometric (their geometric mean)
     # masked importance sampling: a token's weight is 0 where pi_old / pi_sampler, read per

@@ -15,6 +15,11 @@ from gpurl.config.run import Config, EvalConfig
 # and run directories written before the move keep working (`upgrade`).
 MOVED_KEYS = {"reward_weights": "rewards.weights", "rewards_on_error": "rewards.on_error",
               "reward_timeout_s": "rewards.timeout_s"}
+# Keys replaced by a choice: old dotted name -> (the new key, its value for each old value).
+# The command line refuses them with one sentence; older run directories are read as the
+# choice they meant (`upgrade`).
+REPLACED_KEYS = {"rollout.async": ("rollout.mode", {True: "one_ahead", False: "sync"}),
+                 "rollout.continuous": ("rollout.mode", {True: "continuous", False: "sync"})}
 # `rewards=[...]` (a list, the documented short form) sets `rewards.functions`.
 REWARDS_SHORTHAND = ("rewards", "rewards.functions")
 
@@ -30,7 +35,28 @@ def upgrade(data: dict[str, Any]) -> dict[str, Any]:
         if old in out:
             group, _, key = new.partition(".")
             out[group] = {**(out.get(group) or {}), key: out.pop(old)}
+    for old, (new, values) in REPLACED_KEYS.items():
+        group, _, key = old.partition(".")
+        section = out.get(group)
+        if isinstance(section, dict) and key in section:
+            section = dict(section)
+            value = values[bool(section.pop(key))]
+            # a `true` one wins over the other's `false`
+            if value != "sync" or new.partition(".")[2] not in section:
+                section[new.partition(".")[2]] = value
+            out[group] = section
     return out
+
+
+def replaced_key(key: str, value: str) -> str | None:
+    """The sentence refusing an override of a replaced key (`REPLACED_KEYS`); None for
+    every other key."""
+    if key not in REPLACED_KEYS:
+        return None
+    new, values = REPLACED_KEYS[key]
+    choice = values[value.strip().lower() in ("true", "1", "yes", "on")]
+    return (f"{key} was replaced by {new}; set {new}={choice} "
+            f"(one of sync, one_ahead, continuous) instead.")
 
 
 def to_dict(cfg: Any) -> Any:

@@ -32,6 +32,14 @@ class Placement(str, enum.Enum):
     SPLIT = "split"
 
 
+class RolloutMode(str, enum.Enum):
+    """Where an RL step's batch comes from (`gpurl.rollout.sources`)."""
+
+    SYNC = "sync"  # each step samples its batch, then trains on it
+    ONE_AHEAD = "one_ahead"  # step s+1's first round is sampled while step s trains
+    CONTINUOUS = "continuous"  # the engine never stops; weights swapped in flight
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-3  # peak learning rate of AdamW
@@ -130,11 +138,11 @@ class RolloutConfig:
     # prompt or multi-turn trajectory runs in chunks of this many, each attending to the keys
     # and values of those before it, so no activation spans the whole sequence
     prefill_chunk: int = 4096
-    # `async` is a Python keyword: the YAML key is `async`, the field `async_`.
-    async_: bool = False  # overlap the next rollout with training (split placement)
-    # split placement: the engine never stops; new weights enter between decode chunks and
-    # each step trains the first groups that finish (docs/distributed.md, three modes)
-    continuous: bool = False
+    # sync: each step samples, then trains; one_ahead: step s+1's first round is sampled while
+    # step s trains (split placement); continuous: the engine never stops, new weights enter
+    # between decode chunks and each step trains the first groups that finish (split
+    # placement; docs/distributed.md, three rollout modes)
+    mode: str = "sync"
     max_lag: int = 2  # continuous: tokens trained are at most this many policy versions old (a group is trained when its oldest token reaches it)
     # continuous: 0 = new weights enter at the first decode chunk after they are ready; N = after
     # exactly N scheduling iterations of each step (a deterministic, bit-reproducible schedule)
@@ -163,14 +171,13 @@ class RolloutConfig:
         _positive("rollout.max_lag", self.max_lag, allow_zero=True)
         _positive("rollout.swap_chunks", self.swap_chunks, allow_zero=True)
         _positive("rollout.in_flight", self.in_flight)
-        if self.continuous and self.async_:
-            raise ConfigError("rollout.continuous and rollout.async are both set; continuous "
-                              "mode overlaps rollout and training itself, so set one.")
-        if self.continuous and self.max_lag == 0:
+        _choice("rollout.mode", self.mode, RolloutMode)
+        continuous = self.mode == RolloutMode.CONTINUOUS.value
+        if continuous and self.max_lag == 0:
             raise ConfigError("rollout.max_lag=0 lets continuous mode train no token sampled "
                               "before a step's weights, so nothing overlaps; set "
-                              "rollout.max_lag>=1 or rollout.continuous=false.")
-        if self.continuous and self.in_flight > self.max_lag:
+                              "rollout.max_lag>=1 or rollout.mode=one_ahead.")
+        if continuous and self.in_flight > self.max_lag:
             # a group first sampled before a step's weight swap is a version old, so it has
             # max_lag steps to be trained; more batches in flight than that cannot all be
             # and would be sampled again at every step (docs/distributed.md)

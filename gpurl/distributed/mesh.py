@@ -112,6 +112,26 @@ def held_bytes(abstract: Any) -> float:
                      for x in jax.tree.leaves(abstract)))
 
 
+def shard_bytes(abstract: Any, shardings: Any) -> int:
+    """Bytes one device holds of a tree of arrays laid out by `shardings` (the largest
+    shard where shards differ)."""
+    total = 0
+    for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+        total += math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def abstract(tree: Any, shardings: Any) -> Any:
+    """`tree`'s shapes and dtypes with `shardings`, as arguments to lower a program with."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+def sharded(batch: dict[str, Any], sharding: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """A batch's shapes and dtypes, every array laid out by `sharding`."""
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in batch.items()}
+
+
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     """Rows of a batch are split over the `batch` rule's axes (data and fsdp)."""
     axes = tuple(a for a in rules.get("batch", ()) if mesh.shape[a] > 1)

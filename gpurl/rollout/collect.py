@@ -103,13 +103,16 @@ class Collected:
     # () -> P x (1 + G): the batch's prompt and completion lengths on every host, from the
     # hosts that generated them (a collective: every process calls it, or none)
     lengths: Callable[[], np.ndarray] | None = None
+    # host time at which the trainer's previous update was first seen computed (the end of
+    # that step's train time), set by the batch source; None: not seen
+    computed_at: float | None = None
 
 
 class Collector:
     """Rounds of rollouts for the shared train step of the RL algorithms.
 
-    `source` samples and scores a round; `to_trainer` moves an array of rollout rows onto
-    the trainer mesh (`batch_sharding`): a device array, or this process's rows on the host;
+    `source` samples and scores a round; `to_trainer` moves its arrays onto the trainer
+    mesh (`batch_sharding`; `colocated`: the rollout's devices are the trainer's);
     `rounds` is 1 + the refills dynamic sampling may run (`drop_equal`).
 
     Every round draws the next batch of prompts of the data's index stream (`step_indices`:
@@ -119,12 +122,11 @@ class Collector:
 
     def __init__(self, source: Rounds, prompts: Prompts, *, group: int,
                  batch_size: int, seed: int, shaping: Shaping, drop_equal: bool, rounds: int,
-                 to_trainer: Callable[[jax.Array | np.ndarray], jax.Array], batch_sharding: NamedSharding,
-                 pad_id: int):
+                 batch_sharding: NamedSharding, colocated: bool, pad_id: int):
         self.source, self.prompts, self.group = source, prompts, group
         self.batch_size, self.seed, self.shaping = batch_size, seed, shaping
-        self.drop_equal, self.rounds, self.to_trainer = drop_equal, rounds, to_trainer
-        self.pad_id = pad_id
+        self.drop_equal, self.rounds = drop_equal, rounds
+        self.batch_sharding, self.colocated, self.pad_id = batch_sharding, colocated, pad_id
         self._shape = jax.jit(functools.partial(shaped_rewards, shaping))
         self._spread = jax.jit(lambda r, pos: group_spread(r[pos], group))
         self._stats = jax.jit(self._round_stats)
@@ -133,6 +135,18 @@ class Collector:
         self._errors = jax.jit(lambda scores, ids: (scores[:, -1] * (ids >= 0)).sum())
         self._assemble = jax.jit(self._assemble_fn, out_shardings=(batch_sharding, batch_sharding))
         self.position = 0  # batches of prompts drawn so far (checkpointed by the stepper)
+
+    def to_trainer(self, x: jax.Array | np.ndarray) -> jax.Array:
+        """Rollout rows onto the trainer mesh: this process's rows from its host, or a
+        device array of the rollout mesh. Split placement brings the latter through this
+        host (a few bytes a row), since each process's rows are on its own rollout devices
+        and go to its own trainer devices; a device-to-device copy across device sets would
+        need a cross-host transfer that multi-process GPU runtimes do not offer here."""
+        if isinstance(x, np.ndarray):
+            return host.to_device(x, self.batch_sharding)
+        if self.colocated:
+            return jax.device_put(x, self.batch_sharding)
+        return host.to_device(host.local(x), self.batch_sharding)
 
     def indices(self, position: int) -> np.ndarray:
         """The global prompt indices of batch `position` of the data's index stream."""

@@ -1,4 +1,4 @@
-"""Continuous rollouts (`rollout.continuous`, split placement): the rollout engine never
+"""Continuous rollouts (`rollout.mode=continuous`, split placement): the rollout engine never
 stops for training.
 
 The engine runs one generation for the whole run (`Engine.stream`). Prompt groups join it
@@ -36,18 +36,22 @@ sampled it.
 
 from __future__ import annotations
 
+import base64
+import json
 import time
+import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from gpurl.config import RolloutConfig
+from gpurl.config import ConfigError, RolloutConfig
 from gpurl.distributed import host, runtime
 from gpurl.rollout.collect import Collected, Collector
 from gpurl.rollout.prompts import Prompts
 from gpurl.rollout.requests import Completion
-from gpurl.rollout.rounds import Rounds, row_seeds
+from gpurl.rollout.rounds import row_seeds
+from gpurl.rollout.weights import PolicyWeights
 
 
 @dataclass
@@ -72,15 +76,26 @@ class Group:
 
 
 class Continuous:
-    """The collection of continuous mode: `collect(step, ready, swap)` returns step's
-    batch. `ready()` says whether the weights of the trainer's latest state are computed
-    (this process); `swap()` syncs them to the rollout devices (a collective) and returns
-    them in the rollout layout."""
+    """The batch source of continuous mode (`gpurl.rollout.sources.BatchSource`):
+    `next(step, policy)` returns step's batch, taking `policy` (the trainer's latest
+    weights, version `step`) into the engine when the schedule says."""
 
-    def __init__(self, rounds: Rounds, collector: Collector, prompts: Prompts,
+    off_policy = True
+    streams = True
+
+    def __init__(self, collector: Collector, weights: PolicyWeights, prompts: Prompts,
                  cfg: RolloutConfig, group: int, batch_size: int, seed: int):
-        self.rounds, self.collector, self.prompts, self.cfg = rounds, collector, prompts, cfg
-        self.group, self.seed = group, seed
+        if weights.colocated:
+            raise ConfigError("rollout.mode=continuous needs mesh.placement=split (rollouts "
+                              "and training on their own devices); colocated runs are sync "
+                              "or one step ahead (rollout.mode=one_ahead).")
+        if collector.drop_equal or collector.source.env is not None:
+            raise ConfigError("rollout.mode=continuous does not run with algo.dynamic_sampling "
+                              "or a multi-turn environment yet; set rollout.mode=sync or "
+                              "one_ahead.")
+        self.rounds, self.collector, self.prompts, self.cfg = collector.source, collector, prompts, cfg
+        self.weights, self.group, self.seed = weights, group, seed
+        self.batches_in_flight = cfg.in_flight  # the stream's pool holds these at once
         self.per = batch_size // runtime.process_count()  # groups per process and step
         self.stream = None  # made at the first step (a collective)
         self.params: Any = None  # the weights in the engine
@@ -93,8 +108,40 @@ class Continuous:
         self._counts: dict[str, float] = {}
         self._restored: dict | None = None  # a checkpoint's stream, rebuilt at the next step
 
-    def collect(self, step: int, ready: Callable[[], bool], swap: Callable[[], Any]) -> Collected:
-        """The batch of step `step` (the trainer's weights are version `step`)."""
+    def next(self, step: int, policy: Any) -> Collected:
+        """The batch of step `step` (`policy`: the trainer's weights, version `step`)."""
+        self.weights.start()
+        got = self.collect(step, policy)
+        got.computed_at = self.weights.computed_at
+        return got
+
+    def after_dispatch(self, step: int) -> float | None:
+        return None  # the engine goes on at the next step's first scheduling iteration
+
+    def describe(self, correction: str | None) -> str:
+        swap = (f"after {self.cfg.swap_chunks} decode iterations of each step"
+                if self.cfg.swap_chunks else "as soon as they are computed")
+        fixed = (f"corrected by {correction}" if correction
+                 else "uncorrected (algo.async_correction=false)")
+        return (f", continuous rollouts (new weights enter {swap}; tokens at most "
+                f"{self.cfg.max_lag} versions old, {fixed})")
+
+    def state_meta(self) -> dict[str, Any]:
+        """Every process's in-flight state (`snapshot`, compressed), in process order, and
+        the data position (all batches drawn)."""
+        text = base64.b64encode(zlib.compress(json.dumps(self.snapshot()).encode()))
+        return {"data_position": float(self.collector.position),
+                "continuous": host.gather_text(text.decode())}
+
+    def restore_meta(self, meta: dict) -> None:
+        self.collector.position = int(meta.get("data_position", self.collector.position))
+        if "continuous" in meta:
+            text = meta["continuous"][runtime.process_index()]
+            self.restore(json.loads(zlib.decompress(base64.b64decode(text))))
+
+    def collect(self, step: int, policy: Any) -> Collected:
+        """The batch of step `step`: the stream iterates until a batch is ready, taking the
+        trainer's weights (`policy`, computed or not yet) when they are due."""
         t0 = time.perf_counter()
         if self.stream is None:
             self.stream = self.rounds.engine.stream(self.rounds.prompt_width, self._restored)
@@ -107,9 +154,10 @@ class Continuous:
             dropped += self.stream.drop_stale(oldest)
             due = self.version < step and (self.params is None or self.version < oldest or (
                 self.cfg.swap_chunks and iterations >= self.cfg.swap_chunks))
-            enough, computed = host.gather([self._can_batch(step), ready()]).min(axis=0)
+            enough, computed = host.gather([self._can_batch(step),
+                                            self.weights.computed(policy)]).min(axis=0)
             if self.version < step and (due or (not self.cfg.swap_chunks and computed)):
-                sync_s += self._take(swap, step)
+                sync_s += self._take(policy, step)
                 continue
             if enough:
                 break
@@ -122,7 +170,7 @@ class Continuous:
                     self.ready.append(gid)
             dropped += self._drop_ready(oldest)
         if self.cfg.swap_chunks and self.version < step:  # deterministic: by the batch's end
-            sync_s += self._take(swap, step)
+            sync_s += self._take(policy, step)
         return self._batch(step, time.perf_counter() - t0 - sync_s, sync_s, dropped)
 
     def snapshot(self) -> dict:
@@ -154,10 +202,12 @@ class Continuous:
 
     # --------------------------------------------------------------- internals
 
-    def _take(self, swap: Callable[[], Any], step: int) -> float:
-        """The trainer's weights of version `step` into the engine; the seconds it took."""
+    def _take(self, policy: Any, step: int) -> float:
+        """The trainer's weights of version `step` into the engine (waiting until they are
+        computed: a collective); the seconds it took."""
         t0 = time.perf_counter()
-        self.params, self.version = swap(), step
+        self.params, _ = self.weights.take(policy)
+        self.version = step
         return time.perf_counter() - t0
 
     def _top_up(self) -> None:

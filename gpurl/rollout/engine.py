@@ -59,12 +59,15 @@ from gpurl.rollout.scheduler import Limits, Needs, Scheduler
 
 
 class Engine(Programs):
-    """Generates completions of requests on the rollout mesh (data, tp)."""
+    """Generates completions of requests on the rollout mesh (data, tp): every generation
+    is a `Stream`; `generate` adds every request to one and steps it until it is idle."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._pool: tuple[jax.Array, jax.Array] | None = None  # keys, values (`pool_shape`)
-        self.stats: dict[str, float] = {}  # the last call's counts and times
+        # `generate`'s KV pool (keys, values: `pool_shape`), kept between calls and grown in
+        # place when a call needs more
+        self._pool: tuple[jax.Array, jax.Array] | None = None
+        self.stats: dict[str, float] = {}  # the last `generate`'s counts and times
 
     def generate(self, params: Params, requests: Sequence[Request],
                  resume: Callable[[int, Completion], Request | None] | None = None,
@@ -75,136 +78,59 @@ class Engine(Programs):
         completion of each index is returned. `prefill_width`: pad prefills to at least
         this many tokens (RL: one prefill shape per run). Every process must call this
         together."""
-        sched = self._scheduler(requests, resume, prefill_width)
-        params = self.place(params)
-        floor, width, blocks = (int(x) for x in host.gather(sched.first_needs()).max(axis=0))
-        sched.start(self._ensure_pool(blocks))
-        self.stats = _counts()
         started, planned = time.perf_counter(), self.planned_calls
-        busy = True
-        while busy:
-            busy, width = self._iterate(params, sched, floor, width)
-        self.stats.update(sched.stats, planned_calls=self.planned_calls - planned)
+        stream = Stream(self, prefill_width, requests=requests, resume=resume, pool=self._pool)
+        while stream.iterate(params):
+            pass
+        self._pool = stream.pool
+        self.stats = {**stream.stats, "planned_calls": self.planned_calls - planned}
         self.stats["host_s"] = (time.perf_counter() - started - self.stats["prefill_s"]
                                 - self.stats["decode_s"])
-        return sched.completions()
+        return stream.completions()
 
     def stream(self, prefill_width: int = 0, state: dict | None = None) -> "Stream":
-        """A generation that requests join while it runs (`Stream`), or the one whose
-        `Stream.snapshot` is `state`. Every process must call this, and then
-        `Stream.iterate`, together."""
+        """A generation that requests join while it runs (`Stream`), with a KV pool of its
+        own, or the one whose `Stream.snapshot` is `state`. Every process must call this,
+        and then `Stream.iterate`, together."""
         return Stream(self, prefill_width, state)
 
-    def _scheduler(self, requests: Sequence[Request], resume: Callable | None,
-                   prefill_width: int) -> Scheduler:
+    def scheduler(self, requests: Sequence[Request], resume: Callable | None,
+                  prefill_width: int) -> Scheduler:
+        """The plain-Python scheduler of a generation on this process's shards."""
         cfg = self.cfg
         return Scheduler(requests, Limits(cfg.slots, cfg.block_size, cfg.decode_chunk,
                                           cfg.kv_cache_tokens),
                          self.local_shards, self.stop_set, resume, prefill_width, self.routes_shape)
 
-    def _iterate(self, params: Params, sched: Scheduler, floor: int, width: int) -> tuple[bool, int]:
-        """One scheduling iteration: the agreed needs of every process (one host gather),
-        then the prefill of admitted requests and a decode chunk of the live rows. Returns
-        (whether any process still has requests, the block table's width)."""
-        needs = Needs.agree(host.gather(sched.plan()))
-        self.stats["iterations"] += 1
-        if needs.blocks:
-            sched.grow(self._ensure_pool(needs.blocks))
-        width = max(width, needs.table)
-        if needs.prefill:
-            self._prefill(params, sched, needs)
-        if not needs.decoding:
-            return bool(needs.queued), width
-        self._decode(params, sched, max(needs.decoding, floor), floor, width, needs.queued)
-        return True, width
-
-    def _ensure_pool(self, blocks: int) -> int:
-        """Allocates the KV pool with `blocks` blocks per shard, or grows it in place (live
-        blocks keep their ids) when it is smaller; returns its blocks."""
-        if self._pool is None:
-            shape, dtype = self.pool_shape(blocks), compute_dtype(self.spec.cfg)
-            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.pool_sharding)
-            self._pool = (zeros(), zeros())
-        elif self._pool[0].shape[2] < blocks:
-            extra = blocks - self._pool[0].shape[2]
-            pad = jax.jit(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra)) + ((0, 0),) * 3),
-                          out_shardings=self.pool_sharding, donate_argnums=0)
-            self._pool = tuple(pad(x) for x in self._pool)
-        return self._pool[0].shape[2]
-
-    def _rows(self, local: np.ndarray) -> jax.Array:
-        """Shards x rows x ... of this process -> the global row-sharded array."""
-        return host.to_device(local.reshape(-1, *local.shape[2:]), self.rows)
-
-    def _prefill(self, params: Params, sched: Scheduler, needs: Needs) -> None:
-        batch = sched.prefill_batch(needs, self._pool[0].shape[2], self.pad_id)
-        settings = batch["settings"]
-        k, v = self._pool
-        args = (params, k, v, *(self._rows(batch[x]) for x in ("tokens", "lengths", "dest", "src")),
-                *(host.to_device(x, self.rows) for x in settings.arrays()), self.stops())
-        t0 = time.perf_counter()
-        k, v, tok_B, lp_B, stop_B = self.run(self.prefill, (settings.sampled, settings.truncate),
-                                             args)
-        self._pool = (k, v)
-        shape = (sched.count, needs.rows)
-        sched.accept_prefill(*(host.local(x).reshape(shape) for x in (tok_B, lp_B, stop_B)))
-        self.stats["prefills"] += 1
-        self.stats["prefill_s"] += time.perf_counter() - t0
-
-    def _decode(self, params: Params, sched: Scheduler, n: int, floor: int, width: int,
-                queued: int) -> None:
-        """One decode chunk of `n` rows per shard (not fewer than `floor`); with `queued` requests waiting it returns
-        once the queue can refill enough slots (a quarter of them), or when every shard has
-        at most half its rows left (the next chunk runs on half as many)."""
-        batch = sched.chunk_batch(n, width)
-        settings = batch["settings"]
-        take = min(queued, max(1, self.cfg.slots // 4)) if queued else 0
-        halve = n // 2 if n > floor else 0
-        k, v = self._pool
-        static = (settings.sampled, settings.truncate, self.cfg.decode_chunk)
-        args = (params, k, v, self._rows(batch["table"]),
-                *(self._rows(x) for x in batch["state"]), self._rows(batch["active"]),
-                *(host.to_device(x, self.rows) for x in settings.arrays()), self.stops(),
-                np.int32(take), np.int32(halve))
-        t0 = time.perf_counter()
-        k, v, out_BxC, lp_BxC, emitted_B, stopped_B, steps, *routes = self.run(self.chunk, static,
-                                                                               args)
-        self._pool = (k, v)
-        d = sched.count
-        out, lp = (host.local(x).reshape(d, n, -1) for x in (out_BxC, lp_BxC))
-        emitted, stopped = (host.local(x).reshape(d, n) for x in (emitted_B, stopped_B))
-        routes_host = host.local(routes[0]).reshape(d, n, *routes[0].shape[1:]) if routes else None
-        sched.accept_chunk(out, lp, emitted, stopped, routes_host)
-        steps = int(steps)
-        self.stats["decode_s"] += time.perf_counter() - t0
-        self.stats["chunks"] += 1
-        self.stats["steps"] += steps
-        self.stats["row_steps"] += steps * n * self.shards
-
 
 class Stream:
-    """A generation that requests join at any time (continuous RL): `add` queues a
-    prompt's group, `iterate(params, version)` runs one scheduling iteration with the
-    parameters of policy `version`, and `finished` hands over the completions finished
-    since its last call, in the order they finished. A new version enters between two
-    decode chunks: the requests in flight keep the KV cache the old weights wrote and go on
-    with the new ones, and every token records the version that sampled it
+    """One generation on an engine's programs, with its own scheduler and KV pool: `add`
+    queues a prompt's group at any time, `iterate(params, version)` runs one scheduling
+    iteration, `finished` hands over the completions finished since its last call, in the
+    order they finished. `Engine.generate` is a stream given every request up front and
+    stepped until idle; continuous RL keeps one for the whole run. A new `version` enters
+    between two decode chunks: the requests in flight keep the KV cache the old weights
+    wrote and go on with the new ones, and every token records the version that sampled it
     (`Completion.versions`). `drop_stale` starts over the requests holding tokens older
-    than a version. Every process calls `iterate` together (one host gather each). The
-    stream has a KV pool of its own: the engine's `generate` (an evaluation) runs beside it."""
+    than a version. Every process calls `iterate` together (one host gather each)."""
 
-    def __init__(self, engine: Engine, prefill_width: int = 0, state: dict | None = None):
+    def __init__(self, engine: Engine, prefill_width: int = 0, state: dict | None = None, *,
+                 requests: Sequence[Request] = (), resume: Callable | None = None,
+                 pool: tuple[jax.Array, jax.Array] | None = None):
         self.engine = engine
-        self.sched = engine._scheduler([], None, prefill_width)
-        self.floor = bucket(min(engine.cfg.slots, MIN_DECODE_ROWS))
-        _, self.width, blocks = (int(x) for x in host.gather(self.sched.first_needs()).max(axis=0))
+        self.sched = engine.scheduler(requests, resume, prefill_width)
+        floor, self.width, blocks = (int(x) for x in host.gather(self.sched.first_needs()).max(axis=0))
+        # decode batches shrink as rows finish, not below the first batch's (a stream's
+        # requests join later: the engine's least)
+        self.floor = floor if requests else bucket(min(engine.cfg.slots, MIN_DECODE_ROWS))
         if state is not None:  # the pool and table sizes of the snapshot: the same programs
             self.width, blocks = state["width"], state["blocks"]
-        saved, engine._pool = engine._pool, None
-        self.sched.start(engine._ensure_pool(blocks))
-        self.pool, engine._pool = engine._pool, saved
-        self.stats = _counts()
+        self.pool = pool
+        self.sched.start(self._ensure_pool(blocks))
+        self.stats = {**_counts(), **self.sched.stats}
         self._handed = 0
+        self._given: Params | None = None  # the parameters last passed, and their placement
+        self._placed: Params | None = None
         if state is not None:
             self.sched.load(state["scheduler"])
             self.stats.update(state["stats"])
@@ -222,17 +148,28 @@ class Stream:
         """Queues one prompt's requests (they stay on one data shard); their indices."""
         return self.sched.add(requests)
 
-    def iterate(self, params: Params, version: int) -> bool:
-        """One scheduling iteration with `params`, the policy of `version`; False when no
-        process has a request queued or decoding."""
-        engine, sched = self.engine, self.sched
-        saved, engine._pool, engine.stats = engine._pool, self.pool, self.stats
-        sched.version = version
-        try:
-            busy, self.width = engine._iterate(engine.place(params), sched, self.floor, self.width)
-        finally:
-            self.pool, engine._pool = engine._pool, saved
-        self.stats.update(sched.stats)
+    def iterate(self, params: Params, version: int | None = None) -> bool:
+        """One scheduling iteration with `params` (placed in the sampling layout once per
+        tree), the policy of `version` (None: the stream's current one): the agreed needs
+        of every process (one host gather), then the prefill of admitted requests and a
+        decode chunk of the live rows. False when no process has a request queued or
+        decoding."""
+        if params is not self._given:
+            self._given, self._placed = params, self.engine.place(params)
+        if version is not None:
+            self.sched.version = version
+        needs = Needs.agree(host.gather(self.sched.plan()))
+        self.stats["iterations"] += 1
+        if needs.blocks:
+            self.sched.grow(self._ensure_pool(needs.blocks))
+        self.width = max(self.width, needs.table)
+        busy = bool(needs.queued)
+        if needs.prefill:
+            self._prefill(needs)
+        if needs.decoding:
+            self._decode(max(needs.decoding, self.floor), needs.queued)
+            busy = True
+        self.stats.update(self.sched.stats)
         return busy
 
     def finished(self) -> list[tuple[int, Completion]]:
@@ -240,6 +177,10 @@ class Stream:
         done = self.sched.finished[self._handed:]
         self._handed = len(self.sched.finished)
         return [(i, self.sched.done[i]) for i in done]
+
+    def completions(self) -> list[Completion]:
+        """Every request's last completion, in the order the requests were given."""
+        return self.sched.completions()
 
     def started(self) -> dict[int, int]:
         """Index -> the version of its first token, of each unfinished request holding one."""
@@ -249,6 +190,75 @@ class Stream:
         """Requests holding a token of a version below `oldest` start over (`Scheduler.
         drop_stale`); how many did."""
         return self.sched.drop_stale(oldest)
+
+    # ------------------------------------------------------------ device calls
+
+    def _ensure_pool(self, blocks: int) -> int:
+        """Allocates the KV pool with `blocks` blocks per shard, or grows it in place (live
+        blocks keep their ids) when it is smaller; returns its blocks."""
+        engine = self.engine
+        if self.pool is None:
+            shape, dtype = engine.pool_shape(blocks), compute_dtype(engine.spec.cfg)
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=engine.pool_sharding)
+            self.pool = (zeros(), zeros())
+        elif self.pool[0].shape[2] < blocks:
+            extra = blocks - self.pool[0].shape[2]
+            pad = jax.jit(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra)) + ((0, 0),) * 3),
+                          out_shardings=engine.pool_sharding, donate_argnums=0)
+            self.pool = tuple(pad(x) for x in self.pool)
+        return self.pool[0].shape[2]
+
+    def _rows(self, local: np.ndarray) -> jax.Array:
+        """Shards x rows x ... of this process -> the global row-sharded array."""
+        return host.to_device(local.reshape(-1, *local.shape[2:]), self.engine.rows)
+
+    def _prefill(self, needs: Needs) -> None:
+        engine, sched = self.engine, self.sched
+        batch = sched.prefill_batch(needs, self.pool[0].shape[2], engine.pad_id)
+        settings = batch["settings"]
+        k, v = self.pool
+        args = (self._placed, k, v,
+                *(self._rows(batch[x]) for x in ("tokens", "lengths", "dest", "src")),
+                *(host.to_device(x, engine.rows) for x in settings.arrays()), engine.stops())
+        t0 = time.perf_counter()
+        k, v, tok_B, lp_B, stop_B = engine.run(engine.prefill,
+                                               (settings.sampled, settings.truncate), args)
+        self.pool = (k, v)
+        shape = (sched.count, needs.rows)
+        sched.accept_prefill(*(host.local(x).reshape(shape) for x in (tok_B, lp_B, stop_B)))
+        self.stats["prefills"] += 1
+        self.stats["prefill_s"] += time.perf_counter() - t0
+
+    def _decode(self, n: int, queued: int) -> None:
+        """One decode chunk of `n` rows per shard (not fewer than the floor); with `queued`
+        requests waiting it returns once the queue can refill enough slots (a quarter of
+        them), or when every shard has at most half its rows left (the next chunk runs on
+        half as many)."""
+        engine, sched = self.engine, self.sched
+        batch = sched.chunk_batch(n, self.width)
+        settings = batch["settings"]
+        take = min(queued, max(1, engine.cfg.slots // 4)) if queued else 0
+        halve = n // 2 if n > self.floor else 0
+        k, v = self.pool
+        static = (settings.sampled, settings.truncate, engine.cfg.decode_chunk)
+        args = (self._placed, k, v, self._rows(batch["table"]),
+                *(self._rows(x) for x in batch["state"]), self._rows(batch["active"]),
+                *(host.to_device(x, engine.rows) for x in settings.arrays()), engine.stops(),
+                np.int32(take), np.int32(halve))
+        t0 = time.perf_counter()
+        k, v, out_BxC, lp_BxC, emitted_B, stopped_B, steps, *routes = engine.run(
+            engine.chunk, static, args)
+        self.pool = (k, v)
+        d = sched.count
+        out, lp = (host.local(x).reshape(d, n, -1) for x in (out_BxC, lp_BxC))
+        emitted, stopped = (host.local(x).reshape(d, n) for x in (emitted_B, stopped_B))
+        routes_host = host.local(routes[0]).reshape(d, n, *routes[0].shape[1:]) if routes else None
+        sched.accept_chunk(out, lp, emitted, stopped, routes_host)
+        steps = int(steps)
+        self.stats["decode_s"] += time.perf_counter() - t0
+        self.stats["chunks"] += 1
+        self.stats["steps"] += steps
+        self.stats["row_steps"] += steps * n * engine.shards
 
 
 def _counts() -> dict[str, float]:

@@ -32,6 +32,7 @@ from gpurl.distributed import host, runtime
 from gpurl.distributed.mesh import batch_divisor, trainer_mesh
 from gpurl.models import count_params, loading
 from gpurl.train.checkpoint import Checkpointer
+from gpurl.train.frozen import Frozen
 from gpurl.train.metrics import MetricsSink
 from gpurl.train.optim import lr_schedule, train_optimizer
 from gpurl.train.plan import ProgramPlan, check, fitted, plan_summary
@@ -210,7 +211,9 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
                               teacher_shardings=teacher.shardings if teacher else None)
     init = make_init(spec, optimizer, place, cfg.train.seed,
                      lambda: load_initial(spec, place.state.params), scaling)
-    setup = Setup(algorithm, cfg.algo, spec, objective, tokenizer, place, step_fn, init, teacher)
+    frozen = Frozen.of(algorithm, cfg.algo, spec, place, cfg.mesh, cfg.model.lora.rank > 0,
+                       cfg.train.seed, teacher)
+    setup = Setup(algorithm, cfg.algo, spec, objective, tokenizer, place, step_fn, init, frozen)
     return cfg, setup, stepper_cls.build(setup, cfg)
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpurl.config import Config
+from gpurl.distributed.mesh import abstract, sharded
 from gpurl.kernels import platform
 from gpurl.train.loop import build
-from gpurl.train.plan import abstract, sharded
 
 # gpurl's platform name for each lowering platform
 BACKENDS = {"cuda": "gpu", "rocm": "gpu", "cpu": "cpu", "tpu": "tpu"}

@@ -35,7 +35,8 @@ class DeviceTimer:
     """Host seconds from now (a dispatch) until `value` is ready on device, as a metric.
 
     The step never waits for its device work; the time is taken at the first point the
-    host waits for it anyway (`observe`: the next step's weight sync), or, when nothing
+    host waits for it anyway (`observe`: the next step's weight sync, as its batch source
+    reports it), or, when nothing
     waited before the metrics are read, on reading (`float`). `exclude` takes out host
     time spent on other work meanwhile (a rollout overlapped with training)."""
 
@@ -46,10 +47,11 @@ class DeviceTimer:
     def exclude(self, seconds: float) -> None:
         self.excluded += seconds
 
-    def observe(self) -> None:
-        """Called right after the host waited for `value` (or for what follows it)."""
+    def observe(self, at: float | None = None) -> None:
+        """Called right after the host waited for `value` (or for what follows it), or
+        with the host time `at` which it was first seen computed."""
         if self.end is None:
-            self.end = time.perf_counter()
+            self.end = time.perf_counter() if at is None else at
 
     def __float__(self) -> float:
         if self.end is None:

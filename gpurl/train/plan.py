@@ -10,21 +10,19 @@ sentence naming the largest part and the cheapest fixes, never a kill by the ker
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.buckets import three_bits
 from gpurl.config import Config, ConfigError, PlanConfig
 from gpurl.distributed import host, layout, runtime, targets
-from gpurl.distributed.mesh import batch_divisor, held_bytes
+from gpurl.distributed.mesh import abstract, batch_divisor, held_bytes, shard_bytes, sharded
 from gpurl.models.transformer import remat_policy
 from gpurl.rollout.engine import Engine
 from gpurl.train.optim import trainable
@@ -34,26 +32,6 @@ from gpurl.train.stepper import Setup, Stepper
 GIB = 2**30
 PARTS = ("parameters", "optimizer state", "gradients", "activations / scratch", "KV cache",
          "KV cache (evaluation)", "teacher", "inputs", "resident")
-
-
-def shard_bytes(abstract: Any, shardings: Any) -> int:
-    """Bytes one device holds of a tree of arrays laid out by `shardings` (the largest
-    shard where shards differ)."""
-    total = 0
-    for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
-        total += math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-    return total
-
-
-def abstract(tree: Any, shardings: Any) -> Any:
-    """`tree`'s shapes and dtypes with `shardings`, as arguments to lower a program with."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        tree, shardings)
-
-
-def sharded(batch: dict[str, Any], sharding: Any) -> dict[str, jax.ShapeDtypeStruct]:
-    """A batch's shapes and dtypes, every array laid out by `sharding`."""
-    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in batch.items()}
 
 
 # Custom calls of a GPU program that name the kernel a user chose (or `auto` chose)

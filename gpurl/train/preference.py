@@ -29,18 +29,15 @@ from gpurl.data.batching import process_rows, step_indices
 from gpurl.data.preferences import encode_pairs, load_pairs, take_pairs
 from gpurl.data.sources import default_rewards
 from gpurl.distributed import runtime
-from gpurl.distributed.mesh import batch_divisor, replicated
+from gpurl.distributed.mesh import abstract, batch_divisor, replicated, sharded
 from gpurl.distributed.sync import WeightSync
-from gpurl.models import lora
 from gpurl.models.spec import Params
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.rounds import Rounds, rollout_engine
 from gpurl.rollout.prompts import encode_prompts
 from gpurl.rollout.requests import prompt_width
-from gpurl.train.plan import abstract, shard_bytes, sharded
 from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.stepper import Setup, Stepper
-from gpurl.train.weights import initial_policy
 
 
 class PreferenceStepper(Stepper):
@@ -51,24 +48,19 @@ class PreferenceStepper(Stepper):
 
     @classmethod
     def build(cls, setup: Setup, cfg: Config) -> "PreferenceStepper":
-        return cls(setup, cfg.data, cfg.train, cfg.rollout, cfg.mesh, cfg.rewards,
-                   lora_base=cfg.model.lora.rank > 0)
+        return cls(setup, cfg.data, cfg.train, cfg.rollout, cfg.mesh, cfg.rewards)
 
     def __init__(self, setup: Setup, data: DataConfig, train: TrainConfig,
-                 rollout: RolloutConfig, mesh: MeshConfig, rewards: RewardsConfig,
-                 lora_base: bool):
+                 rollout: RolloutConfig, mesh: MeshConfig, rewards: RewardsConfig):
         self.setup, self.train_cfg = setup, train
         spec, place = setup.spec, setup.place
         train_rows, eval_rows = load_pairs(data)
         self.train = encode_pairs(train_rows, setup.tokenizer, data, "train")
         self.evals = encode_pairs(eval_rows, setup.tokenizer, data, "eval") if eval_rows else None
         self.has_eval = self.evals is not None
-        # The reference is the initial policy; it is rebuilt (not checkpointed) on resume.
-        # With LoRA the reference is the frozen base inside the train state (`_reference`).
-        reference = setup.algorithm.needs_reference(setup.algo)
-        self.base_ref = reference and lora_base
-        self.own_ref = reference and not lora_base  # a separate frozen copy (`ref_params`)
-        self.reference = reference
+        # The reference is the initial policy (`gpurl.train.frozen.Reference`): a separate
+        # copy rebuilt (not checkpointed) on resume, or with LoRA the train state's base.
+        self.reference = setup.frozen.reference
         # A pair loss over summed log-probs (DPO, SimPO, ORPO) is evaluated on log-probs
         # computed once per batch, the reference's with the same compiled function, so at
         # step 0 DPO's implicit rewards are exactly 0; a reward model on its own loss.
@@ -93,14 +85,6 @@ class PreferenceStepper(Stepper):
                      if self.evals is not None and spec.policy is not None
                      and _has_task(rewards, self.evals.rows) else None)
 
-    @functools.cached_property
-    def ref_params(self) -> Params | None:
-        """The frozen initial model, loaded at the first step (after the memory check);
-        None without a reference or when it is a LoRA run's base."""
-        if not self.own_ref:
-            return None
-        return initial_policy(self.setup.spec, self.setup.place.state.params, self.train_cfg.seed)
-
     def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         pairs = take_pairs(self.train, np.arange(1))
         spec = {k: jax.ShapeDtypeStruct((self.train_cfg.batch_size,) + v.shape[1:], v.dtype)
@@ -110,7 +94,7 @@ class PreferenceStepper(Stepper):
             spec.update(packing.planned_spec(p, 2, w + 2 * n + 1, n, self.budget, self.shards,
                                              self.context))
             spec = jax.eval_shape(self._gather, spec)
-        if self.reference:
+        if self.reference is not None:
             spec["ref_logps"] = jax.ShapeDtypeStruct((self.train_cfg.batch_size, 2), jnp.float32)
         return spec
 
@@ -126,17 +110,13 @@ class PreferenceStepper(Stepper):
 
     def resident_bytes(self) -> float:
         """The frozen reference beside the train state."""
-        if not self.own_ref:
-            return 0.0
-        spec, place = self.setup.spec, self.setup.place
-        return shard_bytes(spec.policy_params(place.abstract_state.params),
-                           spec.policy_params(place.state.params))
+        return self.setup.frozen.bytes_per_device(teacher=False)
 
     def describe(self) -> str:
         skipped = self.train.num_skipped + (self.evals.num_skipped if self.evals else 0)
         task = f", task eval: {self.task.describe}" if self.task else ""
         what = ("reward model (Bradley-Terry)" if self.pair_loss is None else "reference "
-                + ("frozen initial model" if self.reference else "none"))
+                + ("frozen initial model" if self.reference is not None else "none"))
         return (f"{len(self.train)} train pairs, {len(self.evals) if self.evals else 0} eval "
                 f"pairs ({skipped} longer than data.max_len skipped), {what}{task}")
 
@@ -147,7 +127,7 @@ class PreferenceStepper(Stepper):
 
     def _reference(self, params: Params) -> Params:
         """The reference's parameters: the frozen initial model's, or a LoRA run's base."""
-        return lora.disabled(params) if self.base_ref else self.ref_params
+        return self.reference.inside(params, self.reference.value)
 
     def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
         train = self.train_cfg
@@ -155,7 +135,7 @@ class PreferenceStepper(Stepper):
         batch, static = self._pairs(self.train, indices), ()
         if train.packed:
             batch, static = self._pack(batch, indices)
-        if self.reference:
+        if self.reference is not None:
             batch["ref_logps"] = self._logps(self._reference(state.params), batch)[0]
         return self.setup.step_fn(state, batch, None, *static)
 
@@ -196,7 +176,7 @@ class PreferenceStepper(Stepper):
             logp_Px2 = len_Px2 = ref_Px2 = None
             if self.pair_loss is not None:
                 logp_Px2, len_Px2 = self._logps(params, batch)
-            if self.reference:
+            if self.reference is not None:
                 if b not in self._ref_cache:
                     self._ref_cache[b] = self._logps(self._reference(params), batch)[0]
                 ref_Px2 = self._ref_cache[b]

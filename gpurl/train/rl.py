@@ -13,12 +13,8 @@ loop reads step s's metrics after dispatching step s+1.
 
 from __future__ import annotations
 
-import base64
 import functools
-import json
 import math
-import time
-import zlib
 from typing import Any, Sequence
 
 import jax
@@ -27,28 +23,25 @@ import numpy as np
 
 from gpurl.algorithms import behaviour
 from gpurl.algorithms.rl import RLContext, RLInputs
-from gpurl.config import (Config, ConfigError, DataConfig, EnvConfig, MeshConfig, PolicyGradientConfig,
-                          RewardsConfig, RolloutConfig, TrainConfig)
+from gpurl.config import (Config, ConfigError, DataConfig, EnvConfig, MeshConfig,
+                          PolicyGradientConfig, RewardsConfig, RolloutConfig, TrainConfig)
 from gpurl.data.sources import default_rewards, load_prompts
 from gpurl.distributed import host, layout, runtime
 from gpurl.data import packing
-from gpurl.distributed.mesh import batch_divisor, placement_devices, replicated
+from gpurl.distributed.mesh import (abstract, batch_divisor, placement_devices, replicated,
+                                    shard_bytes, sharded)
 from gpurl.distributed.sync import WeightSync
-from gpurl.models import lora
-from gpurl.models.spec import Params
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.collect import Collector, Shaping
-from gpurl.rollout.continuous import Continuous
-from gpurl.rollout.rounds import Round, Rounds, rollout_engine
+from gpurl.rollout.rounds import Rounds, rollout_engine
 from gpurl.rollout.prompts import Prompts, encode_prompts
 from gpurl.rollout.requests import prompt_width
+from gpurl.rollout.sources import batch_source
+from gpurl.rollout.weights import PolicyWeights
 from gpurl.train.metrics import DeviceTimer, Sum
 from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.stepper import Setup, Stepper
-from gpurl.train.plan import (ProgramPlan, abstract, device_memory, plan_rollout, shard_bytes,
-                              sharded)
-from gpurl.train.weights import (initial_policy, reward_model_params, reward_model_shardings,
-                                 reward_model_spec)
+from gpurl.train.plan import ProgramPlan, device_memory, plan_rollout
 
 
 class RLStepper(Stepper):
@@ -63,8 +56,7 @@ class RLStepper(Stepper):
     def build(cls, setup: Setup, cfg: Config) -> "RLStepper":
         local = [d for d in setup.place.mesh.devices.flat if d.process_index == jax.process_index()]
         return cls(setup, cfg.algo, cfg.data, cfg.train, cfg.rollout, cfg.mesh, cfg.rewards,
-                   lora_base=cfg.model.lora.rank > 0, env=cfg.env,
-                   memory=device_memory(cfg.plan, local[0])[0])
+                   env=cfg.env, memory=device_memory(cfg.plan, local[0])[0])
 
     @staticmethod
     def trainer_devices(mesh: MeshConfig) -> Sequence[jax.Device]:
@@ -72,28 +64,21 @@ class RLStepper(Stepper):
 
     def __init__(self, setup: Setup, algo: PolicyGradientConfig, data: DataConfig,
                  train: TrainConfig, rollout: RolloutConfig, mesh: MeshConfig,
-                 rewards: RewardsConfig, lora_base: bool, env: EnvConfig | None = None,
+                 rewards: RewardsConfig, env: EnvConfig | None = None,
                  memory: float = float("inf")):
         self.setup, self.algo, self.train, self.rollout = setup, algo, train, rollout
         spec, place = setup.spec, setup.place
         self.prompts, self.evals, self.skipped = _prompts(data, setup)
         self.has_eval = self.evals is not None
-        # The reference is the initial policy, rebuilt (not checkpointed) on resume; with
-        # LoRA it is the train state's own frozen base, adapters read as 0 (`_prepare_fn`).
-        reference = setup.algorithm.needs_reference(algo)
-        self.base_ref = reference and lora_base
-        self.own_ref = reference and not lora_base  # a separate frozen copy (`ref_params`)
-        self.reward_spec = (reward_model_spec(algo.reward_model, spec.cfg)
-                            if algo.reward_model else None)
-        self._rm_shardings = (reward_model_shardings(self.reward_spec, place.mesh, mesh.train_rules)
-                              if self.reward_spec is not None else None)
+        self.frozen = setup.frozen  # the reference, a reward model, a teacher (loaded late)
         # With an environment its reward is the task's; reward functions apply when named.
         multi_turn = env is not None and env.on
         self.functions = load_rewards(rewards, [] if multi_turn else default_rewards(data))
         longest = max(len(t) for t in self.prompts.tokens + (self.evals.tokens if self.evals else []))
         # mesh.rollout_tp=auto: the width leaving the most room for the KV pool beside what
         # stays on the devices (colocated: the train state and the frozen models)
-        beside = self._state_bytes() + self._frozen_bytes() if mesh.placement == "colocated" else 0.0
+        beside = (self._state_bytes() + self.frozen.bytes_per_device()
+                  if mesh.placement == "colocated" else 0.0)
         mesh, self.layout = layout.resolve(mesh, spec.policy, placement_devices(mesh)[1],
                                            memory - beside)
         self.engine = rollout_engine(spec.policy, setup.tokenizer, rollout, mesh,
@@ -105,24 +90,20 @@ class RLStepper(Stepper):
         # With a reward model and no reward functions named, the functions (the data's
         # answer check) only report; the reward model's score is the reward.
         shaping = Shaping(self.rounds.width, algo.overlong_buffer, algo.overlong_penalty,
-                          0.0 if self.reward_spec is not None and not rewards.functions else 1.0)
+                          0.0 if self.frozen.reward_model is not None and not rewards.functions
+                          else 1.0)
         self.collector = Collector(
             self.rounds, self.prompts, group=algo.num_generations, batch_size=train.batch_size,
             seed=train.seed, shaping=shaping, drop_equal=algo.dynamic_sampling,
             rounds=1 + (algo.max_refills if algo.dynamic_sampling else 0),
-            to_trainer=self._to_trainer, batch_sharding=place.batch,
+            batch_sharding=place.batch, colocated=self.sync.colocated,
             pad_id=setup.tokenizer.pad_id)
-        # rollout.async with split placement: step s+1's first rollout round is generated
-        # with the parameters step s starts from, while step s trains (one step off-policy):
-        # the prepare step computes pi_old and the loss corrects for the lag
-        # (`gpurl.algorithms.behaviour.behaviour_weights`).
-        self.continuous = (Continuous(self.rounds, self.collector, self.prompts, rollout,
-                                      algo.num_generations, train.batch_size, train.seed)
-                           if rollout.continuous else None)
-        self._check_continuous(rollout, algo, env)
-        self.overlap = (rollout.async_ or rollout.continuous) and not self.sync.colocated
-        self._async_ignored = rollout.async_ and self.sync.colocated
-        self._prefetched: tuple[int, Round] | None = None
+        # rollout.mode: where the step's batches come from (off-policy ones are corrected:
+        # the prepare step computes pi_old, `gpurl.algorithms.behaviour.behaviour_weights`)
+        self.source = batch_source(rollout, self.collector, PolicyWeights(self.sync),
+                                   self.prompts, group=algo.num_generations,
+                                   batch_size=train.batch_size, seed=train.seed, steps=train.steps)
+        self.overlap = self.source.off_policy
         self.carry = {k: jnp.float32(v) for k, v in setup.algorithm.carry(algo).items()}
         self._timer: DeviceTimer | None = None
         # Packed rows (train.packed): the plan's row shards and token budget per micro-batch
@@ -132,26 +113,12 @@ class RLStepper(Stepper):
             train.batch_size // train.num_micro_batches, algo.num_generations,
             self.rounds.prompt_width + self.rounds.width, self.shards)
         self.pad_id = setup.tokenizer.pad_id
-        ctx = RLContext(spec, rollout.temperature, self.reward_spec, off_policy=self.overlap)
+        reward_model = self.frozen.reward_model
+        ctx = RLContext(spec, rollout.temperature, reward_model.spec if reward_model else None,
+                        off_policy=self.overlap)
         self._prepare = jit_rows(functools.partial(self._prepare_fn, ctx), place,
                                  out_shardings=(place.batch, replicated(place.mesh),
                                                replicated(place.mesh)))
-
-    # The frozen reference and reward model are loaded at the first step, after the memory
-    # plan has checked that everything fits (nothing is allocated before it).
-    @functools.cached_property
-    def ref_params(self) -> Params | None:
-        """The reference when it is a separate frozen copy of the initial policy (rebuilt,
-        not checkpointed, on resume); None when there is none or it is a LoRA run's base."""
-        if not self.own_ref:
-            return None
-        return initial_policy(self.setup.spec, self.setup.place.state.params, self.train.seed)
-
-    @functools.cached_property
-    def rm_params(self) -> Params | None:
-        if self.reward_spec is None:
-            return None
-        return reward_model_params(self.algo.reward_model, self.reward_spec, self._rm_shardings)
 
     def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The prepared batch's shapes: the collector's arrays through the prepare step."""
@@ -178,11 +145,8 @@ class RLStepper(Stepper):
         """The prepare step's arguments, abstract, for a collected batch's shapes."""
         place = self.setup.place
         params = abstract(place.abstract_state.params, place.state.params)
-        ref = self.setup.spec.policy_params(params) if self.own_ref else None
-        rm = (abstract(self.reward_spec.abstract_params, self._rm_shardings)
-              if self.reward_spec is not None else None)
         rows = self.train.batch_size * self.algo.num_generations
-        return (params, ref, rm, self.setup.abstract_teacher(), collected,
+        return (params, *self.frozen.abstract(), collected,
                 jax.ShapeDtypeStruct((rows,), jnp.float32), self.carry)
 
     def programs(self) -> list[tuple[str, Any, tuple]]:
@@ -201,16 +165,6 @@ class RLStepper(Stepper):
         group = math.gcd(g, rows // max(self.engine.mesh.shape["data"], 1))
         return rows // runtime.process_count(), self.rounds.plan_width, group
 
-    def _frozen_bytes(self) -> float:
-        """The reference, the reward model and a distillation teacher, per trainer device."""
-        place, total = self.setup.place, self._teacher_bytes()
-        if self.own_ref:
-            total += shard_bytes(self.setup.spec.policy_params(place.abstract_state.params),
-                                 self.setup.spec.policy_params(place.state.params))
-        if self.reward_spec is not None:
-            total += shard_bytes(self.reward_spec.abstract_params, self._rm_shardings)
-        return total
-
     def _sampling_copy(self) -> tuple[float, float]:
         """(bytes per device of the policy's parameters in the rollout layout that are a
         copy, bytes that share the trainer's buffers): colocated leaves already in the
@@ -226,14 +180,10 @@ class RLStepper(Stepper):
                 copy += nbytes
         return copy, alias
 
-    def _teacher_bytes(self) -> float:
-        teacher = self.setup.teacher
-        return 0.0 if teacher is None else teacher.bytes_per_device()
-
     def resident_bytes(self) -> float:
         """Beside the train step: the frozen models and, colocated, the sampling copy (a
         teacher is one of the train step's arguments: the plan counts it there)."""
-        return (self._frozen_bytes() - self._teacher_bytes()
+        return (self.frozen.bytes_per_device(teacher=False)
                 + (self._sampling_copy()[0] if self.sync.colocated else 0.0))
 
     def rollout_plan(self, limit: float) -> ProgramPlan:
@@ -241,14 +191,14 @@ class RLStepper(Stepper):
         width), compiled for the run; colocated, the train state stays beside it."""
         resident = 0.0
         if self.sync.colocated:
-            resident = self._state_bytes() - self._sampling_copy()[1] + self._frozen_bytes()
+            resident = (self._state_bytes() - self._sampling_copy()[1]
+                        + self.frozen.bytes_per_device())
         rows, width, group = self._round_shape()
-        if self.continuous is not None:
-            # the stream holds rollout.in_flight batches at once (up to rollout.slots per
-            # shard), and an evaluation's `generate` has a pool of its own beside it
-            rows *= self.rollout.in_flight
+        # a stream holds several batches at once (continuous: rollout.in_flight, up to
+        # rollout.slots per shard), and an evaluation's `generate` has a pool beside it
+        rows *= self.source.batches_in_flight
         plan = plan_rollout(self.engine, rows, width, group, resident, limit)
-        if self.continuous is not None and self.has_eval:
+        if self.source.streams and self.has_eval:
             eval_rows = -(-self.train.eval_batch_size // runtime.process_count())
             plan.parts["KV cache (evaluation)"] = self.engine.pool_bytes(eval_rows, width)
             plan.notes.append("KV cache (evaluation): an evaluation's pool beside the "
@@ -270,26 +220,16 @@ class RLStepper(Stepper):
     def describe(self) -> str:
         env, functions = self.rounds.env, ", ".join(r.name for r in self.rounds.rewards)
         summed = [f"environment {env.name}"] if env is not None else []
-        if self.reward_spec is not None:
-            summed.append(f"reward model {self.algo.reward_model}")
+        if self.frozen.reward_model is not None:
+            summed.append(f"reward model {self.frozen.reward_model.path}")
         reported = functions and not self.collector.shaping.function_weight
         if functions and not reported:
             summed.append(functions)
         names = " + ".join(summed) or "none"
         names += f" (reported: {functions})" if reported else ""
         fix = behaviour.describe(self.algo, self.overlap)
-        corrected = f"corrected by {fix}" if fix else "uncorrected (algo.async_correction=false)"
-        ahead = f", sampler/trainer mismatch corrected by {fix}" if fix else ""
-        if self.continuous is not None:
-            swap = (f"after {self.rollout.swap_chunks} decode iterations of each step"
-                    if self.rollout.swap_chunks else "as soon as they are computed")
-            ahead = (f", continuous rollouts (new weights enter {swap}; tokens at most "
-                     f"{self.rollout.max_lag} versions old, {corrected})")
-        elif self.overlap:
-            ahead = f", rollouts one step ahead {corrected}"
-        elif self._async_ignored:
-            ahead = (", rollout.async has no effect with colocated placement (rollouts and "
-                     "training share the devices; mesh.placement=split overlaps them)")
+        ahead = self.source.describe(fix) or (
+            f", sampler/trainer mismatch corrected by {fix}" if fix else "")
         return (f"{len(self.prompts)} train prompts, {len(self.evals) if self.evals else 0} eval "
                 f"prompts ({self.skipped} longer than data.max_len skipped), "
                 f"G={self.algo.num_generations}, rewards: {names}{ahead}; rollout "
@@ -305,58 +245,30 @@ class RLStepper(Stepper):
                 f"{self.algo.num_generations} = {rows} rows must split evenly over {count} "
                 f"processes and {shards} rollout data shards; change train.batch_size.")
 
-    def _to_trainer(self, x: jax.Array | np.ndarray) -> jax.Array:
-        """Rollout rows onto the trainer mesh: this process's rows from its host, or a
-        device array of the rollout mesh. Split placement brings the latter through this
-        host (a few bytes a row), since each process's rows are on its own rollout devices
-        and go to its own trainer devices; a device-to-device copy across device sets would
-        need a cross-host transfer that multi-process GPU runtimes do not offer here."""
-        if isinstance(x, np.ndarray):
-            return host.to_device(x, self.setup.place.batch)
-        if self.sync.colocated:
-            return jax.device_put(x, self.setup.place.batch)
-        return host.to_device(host.local(x), self.setup.place.batch)
-
     def _prepare_fn(self, ctx: RLContext, params: Any, ref_params: Any, rm_params: Any,
                     teacher: Any, batch: dict, rewards_B: jax.Array, carry: dict
                     ) -> tuple[dict, dict, dict]:
         if "pack/source" in batch:  # the packed rows' tokens, from the plan's indices
             batch = packing.gather(batch, self.pad_id)
-        if self.base_ref:
-            ref_params = lora.disabled(ctx.spec.policy_params(params))
+        reference = self.frozen.reference
+        ref_params = reference.inside(params, ref_params) if reference is not None else None
         return self.setup.algorithm.prepare(
             self.algo, ctx, RLInputs(params, ref_params, rm_params, batch, rewards_B, carry,
                                      teacher))
 
-    def _check_continuous(self, rollout: RolloutConfig, algo: Any, env: Any) -> None:
-        if not rollout.continuous:
-            return
-        if self.sync.colocated:
-            raise ConfigError("rollout.continuous needs mesh.placement=split (rollouts and "
-                              "training on their own devices); colocated runs are synchronous "
-                              "or one step ahead (rollout.async).")
-        if algo.dynamic_sampling or (env is not None and env.on):
-            raise ConfigError("rollout.continuous does not run with algo.dynamic_sampling or a "
-                              "multi-turn environment yet; turn rollout.continuous off.")
-
     def step(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
-        if self.continuous is not None:  # the engine takes the new weights when it can
-            policy = self.setup.spec.policy_params(state.params)
-            got = self.continuous.collect(step, functools.partial(self._computed, policy),
-                                          functools.partial(self._swap, state))
-            t_sync = got.metrics.pop("time/sync_s")
-        else:
-            params, t_sync = self._sync(state)
-            first, self._prefetched = (self._prefetched or (None, None)), None
-            got = self.collector.collect(params, step, first[1] if first[0] == step else None)
+        got = self.source.next(step, self.setup.spec.policy_params(state.params))
+        if self._timer is not None and got.computed_at is not None:
+            self._timer.observe(got.computed_at)  # the previous step's train time ends
+        t_sync = got.metrics.pop("time/sync_s")
         collected, static = got.batch, ()
         if self.train.packed:  # planned from the hosts' lengths: no device is waited for
             plan = self._pack(got.batch, got.lengths())
             collected = {**got.batch, **packing.put(plan, self.setup.place.batch)}
             static = (plan.num_micro,) if plan.num_micro > 1 else ()  # 1: as planned
-        teacher = self.setup.frozen_teacher()
-        batch, prepared, self.carry = self._prepare(state.params, self.ref_params, self.rm_params,
-                                                    teacher, collected, got.rewards, self.carry)
+        ref, rm, teacher = self.frozen.values()
+        batch, prepared, self.carry = self._prepare(state.params, ref, rm, teacher, collected,
+                                                    got.rewards, self.carry)
         nonfinite = 0.0
         for _ in range(self.algo.num_iterations):
             state, metrics = self.setup.step_fn(state, batch, teacher, *static)  # dispatched, not awaited
@@ -369,9 +281,10 @@ class RLStepper(Stepper):
         if "reward/model" in prepared:  # scored on the trainer mesh, after the functions
             for key in ("reward/mean", "reward/batch_mean"):
                 metrics[key] = Sum(metrics[key], prepared["reward/model"])
-        if self.overlap and self.continuous is None:  # the next step's round 0, sampled now
-            metrics["time/overlapped_rollout_s"] = self._prefetch(params, step)
-            self._timer.exclude(metrics["time/overlapped_rollout_s"])
+        overlapped = self.source.after_dispatch(step)  # one_ahead: the next step's round 0
+        if overlapped is not None:
+            metrics["time/overlapped_rollout_s"] = overlapped
+            self._timer.exclude(overlapped)
         return state, metrics
 
     def _pack(self, batch: dict, lengths_PxG1: np.ndarray | None = None) -> packing.Plan:
@@ -386,59 +299,15 @@ class RLStepper(Stepper):
                             packing.attention_cost(self.setup.spec.policy.cfg.d_model),
                             context=self.context)
 
-    def _sync(self, state: TrainState) -> tuple[Any, float]:
-        """The policy's parameters in the rollout layout, once the previous update is done
-        (the time that takes is the previous step's `time/train_s`)."""
-        jax.block_until_ready(self.setup.spec.policy_params(state.params))
-        if self._timer is not None:
-            self._timer.observe()
-        t0 = time.perf_counter()
-        params = jax.block_until_ready(self.sync(self.setup.spec.policy_params(state.params)))
-        return params, time.perf_counter() - t0
-
-    def _computed(self, tree: Any) -> bool:
-        """Whether every array of `tree` is computed (the previous step's train time ends
-        when it first is)."""
-        done = all(x.is_ready() for x in jax.tree.leaves(tree))
-        if done and self._timer is not None:
-            self._timer.observe()
-        return done
-
-    def _swap(self, state: TrainState) -> Any:
-        """Continuous mode: `state`'s policy in the rollout layout, once it is computed."""
-        return self._sync(state)[0]
-
-    def _prefetch(self, params: Any, step: int) -> float:
-        if step + 1 >= self.train.steps:
-            return 0.0
-        t0 = time.perf_counter()
-        self._prefetched = (step + 1, self.collector.round(params, step + 1, 0))
-        return time.perf_counter() - t0
-
     def state_meta(self) -> dict[str, Any]:
-        """The prepare step's carry (PPO's adaptive KL coefficient) and the data position:
-        the batches of prompts the finished steps drew (a round sampled ahead for the next
-        step is not kept, so a resumed run draws it again). Continuous mode: every
-        process's in-flight state (`Continuous.snapshot`, compressed), all batches drawn."""
-        ahead = 1 if self._prefetched is not None else 0
-        meta = {**{k: float(v) for k, v in self.carry.items()},
-                "data_position": float(self.collector.position - ahead)}
-        if self.continuous is not None:  # every process's in-flight state, in process order
-            text = base64.b64encode(zlib.compress(json.dumps(self.continuous.snapshot()).encode()))
-            meta["continuous"] = host.gather_text(text.decode())
-            meta["data_position"] = float(self.collector.position)
-        return meta
+        """The prepare step's carry (PPO's adaptive KL coefficient) and the batch source's
+        state: the data position (the batches of prompts the finished steps drew) and, in
+        continuous mode, what is in flight."""
+        return {**{k: float(v) for k, v in self.carry.items()}, **self.source.state_meta()}
 
     def restore_meta(self, meta: dict) -> None:
         self.carry = {k: jnp.float32(meta.get(k, v)) for k, v in self.carry.items()}
-        # checkpoints written before the position was recorded drew one batch per step
-        # (dynamic sampling: 1 + algo.max_refills, whether or not the refills ran)
-        per_step = self.collector.rounds if self.algo.dynamic_sampling else 1
-        legacy = int(meta.get("step", 0)) * per_step
-        self.collector.position = int(meta.get("data_position", legacy))
-        if self.continuous is not None and "continuous" in meta:
-            text = meta["continuous"][runtime.process_index()]
-            self.continuous.restore(json.loads(zlib.decompress(base64.b64decode(text))))
+        self.source.restore_meta(meta)
 
     def evaluate(self, params: Any) -> dict[str, float]:
         params = self.sync(self.setup.spec.policy_params(params))

@@ -17,7 +17,7 @@ from gpurl.data.packing import split_token_rows
 from gpurl.data.sft import TokenRows, encode_sft
 from gpurl.data.sources import load_examples
 from gpurl.distributed import runtime
-from gpurl.train.plan import abstract, sharded
+from gpurl.distributed.mesh import abstract, sharded
 from gpurl.train.step import TrainState, make_eval_step
 from gpurl.train.stepper import Setup, Stepper
 

@@ -19,6 +19,7 @@ from gpurl.algorithms.registry import Algorithm
 from gpurl.config import AlgoConfig, Config, ConfigError, MeshConfig
 from gpurl.distributed import host
 from gpurl.models.tokenizer import Tokenizer
+from gpurl.train.frozen import Frozen
 from gpurl.train.step import Placement, TrainState
 
 
@@ -35,7 +36,12 @@ class Setup:
     # the jitted train step (state, batch, teacher, num_micro=None) -> (state, metrics)
     step_fn: Callable[..., tuple[TrainState, dict]]
     init: Callable[[], TrainState]  # a fresh state (initial weights, new optimizer)
-    teacher: Any = None  # a distillation algorithm's `TeacherWeights`; None without one
+    frozen: Frozen = Frozen()  # the frozen models by role (reference, reward model, teacher)
+
+    @property
+    def teacher(self) -> Any:
+        """A distillation algorithm's `TeacherWeights`; None without one."""
+        return self.frozen.teacher
 
     def frozen_teacher(self) -> Any:
         """The teacher the train step takes: its parameters (read at the first call), or
