@@ -115,14 +115,15 @@ class Stream:
     than a version. Every process calls `iterate` together (one host gather each)."""
 
     def __init__(self, engine: Engine, prefill_width: int = 0, state: dict | None = None, *,
-                 requests: Sequence[Request] = (), resume: Callable | None = None,
+                 requests: Sequence[Request] | None = None, resume: Callable | None = None,
                  pool: tuple[jax.Array, jax.Array] | None = None):
         self.engine = engine
-        self.sched = engine.scheduler(requests, resume, prefill_width)
+        self.sched = engine.scheduler(requests or (), resume, prefill_width)
         floor, self.width, blocks = (int(x) for x in host.gather(self.sched.first_needs()).max(axis=0))
-        # decode batches shrink as rows finish, not below the first batch's (a stream's
-        # requests join later: the engine's least)
-        self.floor = floor if requests else bucket(min(engine.cfg.slots, MIN_DECODE_ROWS))
+        # decode batches shrink as rows finish, not below the first batch's, agreed by every
+        # process (`requests` None: a stream whose requests join later, the engine's least)
+        self.floor = floor if requests is not None else bucket(min(engine.cfg.slots,
+                                                                   MIN_DECODE_ROWS))
         if state is not None:  # the pool and table sizes of the snapshot: the same programs
             self.width, blocks = state["width"], state["blocks"]
         self.pool = pool
