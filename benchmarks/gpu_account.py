@@ -1,6 +1,6 @@
 """What the GPU compiler says of GRPO runs: `gpurl plan plan.target=h100` for the runs of
 docs/scaling.md ("What the GPU compiler says"), one table row per program with the
-compiler's account per unit of work (`gpurl.train.efficiency`): flops and HBM bytes
+compiler's account per unit of work (`gpurl.plan.efficiency`): flops and HBM bytes
 against the ideal, the roofline time on an H100 and what it bounds, and each run's bound
 on RL tokens/s per GPU. Nothing runs on a GPU: XLA's GPU compiler (the `gpu-plan` extra)
 compiles every program for compile-only H100s on this machine, and the numbers are its

@@ -10,7 +10,7 @@ variant). After: gpurl's head, bf16 operands with fp32 accumulation and output
   seed: per step the mismatch metrics (`mismatch/*`: the sampler's log-probs against the
   trainer's pi_old on the trained tokens) and the train phase's seconds; medians over
   steps and runs.
-- `account`: the compiler's account (`gpurl.distributed.account`, the text XLA's GPU
+- `account`: the compiler's account (`gpurl.plan.account`, the text XLA's GPU
   compiler emits for a compile-only H100; the `gpu-plan` extra) of the head's two programs
   at real sizes in bf16, both heads: the trainer's chunked log-probs, forward and backward
   (`chunked_token_logprobs` of 8 x 512 tokens), and a decode step's head and sampling
@@ -148,7 +148,7 @@ def account(args: argparse.Namespace) -> list[dict]:
 
     jax.config.update("jax_platforms", "cpu")  # as `gpurl plan plan.target`: no CUDA backend
 
-    from gpurl.distributed.account import Account
+    from gpurl.plan.account import Account
     from gpurl.distributed.mesh import job_devices
     from gpurl.distributed.targets import compile_only, gpu
 

@@ -34,7 +34,7 @@ import jax
 from gpurl.cli.compose import validate
 from gpurl.commands.plan import plan_programs, start_backend
 from gpurl.config import PlanConfig
-from gpurl.train.plan import GIB
+from gpurl.plan.memory import GIB
 
 # Every preset from 1B to 70B parameters, smallest first.
 PRESETS = ("gemma3_1b", "llama3_1b", "qwen2_5_1_5b", "qwen3_1_7b", "gemma2b", "gemma2_2b",

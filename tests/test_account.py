@@ -1,5 +1,5 @@
-"""The GPU compiler's account of a program (`gpurl.distributed.account`) and of a run's
-programs against their ideal (`gpurl.train.efficiency`, printed by `gpurl plan
+"""The GPU compiler's account of a program (`gpurl.plan.account`) and of a run's
+programs against their ideal (`gpurl.plan.efficiency`, printed by `gpurl plan
 plan.target=...`): checked against counts made by hand, and the decode loop checked for
 what issue 33 found in it (weights read in float32 and converted to bf16 on every decode
 step). The programs are compiled by XLA's GPU compiler for compile-only H100s in a
@@ -22,7 +22,8 @@ PROGRAMS = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from gpurl.distributed import account, targets
+from gpurl.distributed import targets
+from gpurl.plan import account
 from gpurl.distributed.mesh import job_devices
 jax.config.update("jax_platforms", "cpu")
 with targets.compile_only(targets.GPUS["h100"], 1):

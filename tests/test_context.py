@@ -89,7 +89,7 @@ def test_planned_activations_per_device_fall_with_the_context_width():
     analysis of the compiled step) fall with the width."""
     from conftest import TINY_MODEL
     from gpurl.train.loop import build
-    from gpurl.train.plan import plan_train_step
+    from gpurl.train.fitting import plan_train_step
 
     activations = {}
     for context in (1, 2, 4):
@@ -186,7 +186,7 @@ def _planned(limit_gb: float, mesh=None, train=None):
     """(config, stepper, plans by name) of `_long_run`, built and planned as `gpurl train`
     does (`fitted`: mesh.context=auto resolved)."""
     from gpurl.train.loop import build
-    from gpurl.train.plan import fitted
+    from gpurl.train.fitting import fitted
 
     cfg, _, stepper, plans = fitted(_long_run(limit_gb, mesh, train), build)
     return cfg, stepper, {p.name: p for p in plans}
@@ -199,7 +199,7 @@ def test_context_auto_picks_the_narrowest_width_whose_train_step_fits():
     but does at 2, width 2, its devices taken from the data axis (fsdp is 1), said in the
     plan; the run then trains on that mesh."""
     from gpurl.train.loop import build
-    from gpurl.train.plan import _train_plan
+    from gpurl.train.fitting import _train_plan
 
     one_row = {}  # the train step's total with one row per micro-batch, by width
     for width, mesh in ((1, {"data": 4, "context": 1}), (2, {"data": 2, "context": 2})):
@@ -223,7 +223,7 @@ def test_the_plan_lowers_the_token_budget_and_caps_the_kv_pool_until_both_fit():
     device too small for those, the plan picks the largest budget and pool that fit, says
     so, and the run then uses them; where even one row does not fit, the advice names a
     wider context axis."""
-    from gpurl.train.plan import advice
+    from gpurl.plan.memory import advice
 
     _, stepper, roomy = _planned(100.0)
     budget = stepper.budget

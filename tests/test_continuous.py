@@ -14,6 +14,7 @@ import pytest
 
 from conftest import TINY_MODEL, make_config
 from gpurl.config import ConfigError, RolloutConfig
+from gpurl.plan.memory import plan_rollout
 
 
 def _config(tmp_path, **rollout: Any):
@@ -52,10 +53,11 @@ def _planned_pools(stepper) -> None:
     """The memory plan counts the pools a continuous run holds: the stream's (its
     rollout.in_flight batches) at least as large as the one it allocated, and an
     evaluation's beside it."""
-    plan = stepper.rollout_plan(limit=2.0**40)
+    round_ = stepper.rollout_round()
+    plan = plan_rollout(round_, limit=2.0**40)
     pool = stepper.source.stream.pool
     held = sum(x.addressable_shards[0].data.nbytes for x in pool)
-    rows, width, _ = stepper._round_shape()
+    rows, width = round_.rows, round_.width
     assert held > stepper.engine.pool_bytes(rows, width)  # more than one batch's pool
     assert plan.parts["KV cache"] >= held
     assert plan.parts["KV cache (evaluation)"] == stepper.engine.pool_bytes(

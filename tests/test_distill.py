@@ -215,7 +215,7 @@ def test_the_teacher_is_sharded_like_the_student_and_counted_by_the_plan(tmp_pat
     each large matrix (not a replica), and the train step's plan has a `teacher` part of
     that size."""
     from gpurl.train.loop import build
-    from gpurl.train.plan import memory_plan
+    from gpurl.train.fitting import memory_plan
 
     wide = dict(STUDENT, d_model=64, mlp_dim=128, head_dim=16)
     teacher = tiny_teacher(tmp_path / "wide", wide, seed=1)

@@ -17,7 +17,8 @@ import pytest
 from conftest import TINY_MODEL, make_config
 from gpurl.config import ConfigError
 from gpurl.train import loop
-from gpurl.train.plan import GIB, memory_plan
+from gpurl.plan.memory import GIB
+from gpurl.train.fitting import memory_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

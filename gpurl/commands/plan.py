@@ -26,9 +26,10 @@ from gpurl.distributed import runtime, targets
 from gpurl.kernels import platform
 from gpurl.models.loading import PACKAGED
 from gpurl.models.transformer import remat_policy
-from gpurl.train import efficiency
+from gpurl.plan import efficiency
 from gpurl.train.loop import build
-from gpurl.train.plan import GIB, ProgramPlan, advice, fitted
+from gpurl.plan.memory import GIB, ProgramPlan, advice
+from gpurl.train.fitting import fitted
 from gpurl.train.stepper import Setup, Stepper
 
 # plan.devices without plan.device_memory_gb: the simulated devices are GPUs of this size

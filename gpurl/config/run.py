@@ -250,7 +250,7 @@ class MeshConfig:
 
     @property
     def context_width(self) -> int | None:
-        """`context` as a size (-1: fill); None for auto (`gpurl.train.plan.fitted`
+        """`context` as a size (-1: fill); None for auto (`gpurl.train.fitting.fitted`
         picks it from the memory plan)."""
         if str(self.context) == "auto":
             return None

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from gpurl.distributed.mesh import shard_bytes
 from gpurl.models import lora
 
 
@@ -46,6 +47,20 @@ class WeightSync:
         target = self.targets[i]
         return (self.colocated and not isinstance(target, tuple) and leaf.dtype == target.dtype
                 and self._train_sh[i].is_equivalent_to(target.sharding, len(leaf.shape)))
+
+    def held_bytes(self, abstract_params: Any) -> tuple[float, float]:
+        """(bytes per device of the rollout's parameters that are a copy, bytes that share
+        the trainer's buffers), for the trainer's parameters `abstract_params`: colocated
+        leaves already in the rollout's dtype and layout are not copied."""
+        copy = alias = 0.0
+        for i, (x, target) in enumerate(zip(jax.tree.leaves(abstract_params), self.targets)):
+            parts = list(target) if isinstance(target, tuple) else [target]
+            nbytes = shard_bytes(parts, [a.sharding for a in parts])
+            if self.shares(x, i):
+                alias += nbytes
+            else:
+                copy += nbytes
+        return copy, alias
 
     def __call__(self, params: Any) -> Any:
         leaves, treedef = jax.tree.flatten(params)

@@ -19,7 +19,7 @@ hold nothing). Two kernels:
 Work is (routed rows + less than one tile per group) x D x F per matmul, never
 E x rows x D x F (what XLA's GPU compiler makes of `jax.lax.ragged_dot`). The kernel's
 name carries the rows a balanced routing lays out (`rows<N>`), which is what
-`gpurl.distributed.account` charges: the real count is only known when it runs.
+`gpurl.plan.account` charges: the real count is only known when it runs.
 Dimensions are zero-padded to multiples of 16 (Triton's smallest dot).
 `interpret=True` runs the same kernels in Pallas's interpreter on any backend (CI).
 """

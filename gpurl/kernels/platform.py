@@ -50,7 +50,7 @@ def sampling_compiler_options() -> dict[str, int]:
     GPU compiler merges matmuls that share an input (q, k and v; gate and up) into one
     whose weight is their concatenation, so every decode step copies those weights out of
     their stacks before reading them: 3x a decode step's weight traffic, which bounds it
-    (`gpurl.distributed.account` counts it)."""
+    (`gpurl.plan.account` counts it)."""
     return {"xla_gpu_dot_merger_threshold_mb": 0} if backend() == "gpu" else {}
 
 

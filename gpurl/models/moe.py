@@ -42,7 +42,7 @@ from gpurl.kernels.grouped_matmul import (grouped_matmul, layout_matmul, resolve
 from gpurl.models.layers import ACTIVATIONS, Layout, context_axis, layout, param
 
 # the name scope of the token dispatch and combine, which the GPU compiler's account
-# (`gpurl.distributed.account`) counts as expert parallelism's interconnect traffic
+# (`gpurl.plan.account`) counts as expert parallelism's interconnect traffic
 EXPERT_DISPATCH = "expert_dispatch"
 
 # logical axes of the expert weights (gate and up, down)

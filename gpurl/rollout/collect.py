@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from gpurl.config import ConfigError
 from gpurl.data.batching import step_indices
-from gpurl.distributed import host
+from gpurl.distributed import host, runtime
 from gpurl.rollout.rounds import Round, Rounds, row_seeds
 from gpurl.rollout.prompts import Prompts
 
@@ -127,6 +128,12 @@ class Collector:
         self.batch_size, self.seed, self.shaping = batch_size, seed, shaping
         self.drop_equal, self.rounds = drop_equal, rounds
         self.batch_sharding, self.colocated, self.pad_id = batch_sharding, colocated, pad_id
+        rows, count, shards = batch_size * group, runtime.process_count(), source.engine.mesh.shape["data"]
+        if batch_size % count or rows % max(shards, 1):
+            raise ConfigError(
+                f"train.batch_size={batch_size} prompts x algo.num_generations={group} = {rows} "
+                f"rows must split evenly over {count} processes and {shards} rollout data "
+                f"shards; change train.batch_size.")
         self._shape = jax.jit(functools.partial(shaped_rewards, shaping))
         self._spread = jax.jit(lambda r, pos: group_spread(r[pos], group))
         self._stats = jax.jit(self._round_stats)
@@ -135,6 +142,33 @@ class Collector:
         self._errors = jax.jit(lambda scores, ids: (scores[:, -1] * (ids >= 0)).sum())
         self._assemble = jax.jit(self._assemble_fn, out_shardings=(batch_sharding, batch_sharding))
         self.position = 0  # batches of prompts drawn so far (checkpointed by the stepper)
+
+    def describe_rewards(self, reward_model: str | None) -> str:
+        """What the reward sums (an environment's, a reward model's at path `reward_model`,
+        the functions'), and the functions that only report."""
+        env, functions = self.source.env, ", ".join(r.name for r in self.source.rewards)
+        summed = [f"environment {env.name}"] if env is not None else []
+        if reward_model is not None:
+            summed.append(f"reward model {reward_model}")
+        reported = functions and not self.shaping.function_weight
+        if functions and not reported:
+            summed.append(functions)
+        names = " + ".join(summed) or "none"
+        return names + (f" (reported: {functions})" if reported else "")
+
+    def spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The global shapes and dtypes of the batch `collect` hands over (`_assemble_fn`
+        builds it): P prompts of width W, G completions of N tokens each."""
+        p, g = self.batch_size, self.group
+        n, w = self.source.width, self.source.prompt_width
+        sds, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
+        spec = {"prompt_tokens": sds((p, w), i32), "prompt_lengths": sds((p,), i32),
+                "completions": sds((p, g, n), i32), "completion_lengths": sds((p, g), i32),
+                "comp_mask": sds((p, g, n), f32), "sampler_logprobs": sds((p, g, n), f32)}
+        replayed = self.source.engine.routes_shape
+        if replayed is not None:  # routing replay: the sampler's experts per token
+            spec["routes"] = sds((p, g, n, *replayed), jnp.int16)
+        return spec
 
     def to_trainer(self, x: jax.Array | np.ndarray) -> jax.Array:
         """Rollout rows onto the trainer mesh: this process's rows from its host, or a

@@ -51,7 +51,7 @@ from gpurl.rollout.collect import Collected, Collector
 from gpurl.rollout.prompts import Prompts
 from gpurl.rollout.requests import Completion
 from gpurl.rollout.rounds import row_seeds
-from gpurl.rollout.weights import PolicyWeights
+from gpurl.rollout.weights import PolicyWeights, corrected
 
 
 @dataclass
@@ -121,10 +121,8 @@ class Continuous:
     def describe(self, correction: str | None) -> str:
         swap = (f"after {self.cfg.swap_chunks} decode iterations of each step"
                 if self.cfg.swap_chunks else "as soon as they are computed")
-        fixed = (f"corrected by {correction}" if correction
-                 else "uncorrected (algo.async_correction=false)")
         return (f", continuous rollouts (new weights enter {swap}; tokens at most "
-                f"{self.cfg.max_lag} versions old, {fixed})")
+                f"{self.cfg.max_lag} versions old, {corrected(correction)})")
 
     def state_meta(self) -> dict[str, Any]:
         """Every process's in-flight state (`snapshot`, compressed), in process order, and

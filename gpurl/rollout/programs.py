@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.struct
 import jax
@@ -41,6 +41,13 @@ from gpurl.models.transformer import PagedKV, compute_dtype, init_cache
 from gpurl.rollout.blocks import pool_blocks, request_blocks
 from gpurl.rollout.requests import MIN_ROWS, Request, bucket, prompt_width
 from gpurl.rollout.sampling import sample_rows
+
+class RoundPrograms(NamedTuple):
+    """A rollout round's two programs, each (jitted function, abstract arguments)."""
+
+    prefill: tuple[Any, tuple]  # the round's prompts in one call
+    decode: tuple[Any, tuple]  # the decode chunk: rollout.decode_chunk tokens of every row
+
 
 @flax.struct.dataclass
 class Rollout:
@@ -144,7 +151,7 @@ class Programs(RolloutModel):
         their largest shapes, compiled ahead of time from abstract arrays (the round then
         dispatches them); returns (the compiled programs, the KV pool's bytes per device)."""
         out = []
-        for _, fn, (static, *args) in self.round_programs(rows, width, group):
+        for fn, (static, *args) in self.round_programs(rows, width, group):
             compiled = fn.lower(static, *args).compile()
             self._compiled[self._key(fn, static, args)] = compiled
             out.append(compiled)
@@ -176,10 +183,9 @@ class Programs(RolloutModel):
         live = min(-(-rows // self.local_shards), self.cfg.slots)
         return bucket(-(-live // group), MIN_ROWS), bucket(live, MIN_ROWS), bucket(live)
 
-    def round_programs(self, rows: int, width: int, group: int) -> list[tuple[str, Any, tuple]]:
-        """(name, jitted function, abstract arguments) of the prefill and the decode chunk
-        of such a round at their largest shapes (`compile_round` compiles them; the CUDA
-        lowering tests lower them)."""
+    def round_programs(self, rows: int, width: int, group: int) -> "RoundPrograms":
+        """The prefill and the decode chunk of such a round at their largest shapes
+        (`compile_round` compiles them, in this order; the CUDA lowering tests lower them)."""
         blocks = request_blocks(width + self.cfg.max_new_tokens, self.block)
         pool = self.round_pool(rows, width)
         params = self.abstract_params
@@ -201,9 +207,8 @@ class Programs(RolloutModel):
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         chunk_args = (params, pool, pool, rows_of(c, bucket(blocks)), *(rows_of(c) for _ in range(3)),
                       rows_of(c, dt=jnp.bool_), *settings(c), stops, scalar, scalar)
-        return [("rollout prefill", self.prefill, ((sampled, truncate), *prefill_args)),
-                ("rollout decode chunk", self.chunk,
-                 ((sampled, truncate, self.cfg.decode_chunk), *chunk_args))]
+        return RoundPrograms((self.prefill, ((sampled, truncate), *prefill_args)),
+                             (self.chunk, ((sampled, truncate, self.cfg.decode_chunk), *chunk_args)))
 
     def _key(self, fn, static, args) -> tuple:
         shapes = tuple(tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(args[1:]))

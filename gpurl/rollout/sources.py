@@ -26,7 +26,7 @@ from gpurl.rollout.collect import Collected, Collector
 from gpurl.rollout.continuous import Continuous
 from gpurl.rollout.prompts import Prompts
 from gpurl.rollout.rounds import Round
-from gpurl.rollout.weights import PolicyWeights
+from gpurl.rollout.weights import PolicyWeights, corrected
 
 
 class BatchSource(Protocol):
@@ -83,7 +83,8 @@ class Synchronous:
         return None
 
     def describe(self, correction: str | None) -> str:
-        return self.note
+        return self.note or (f", sampler/trainer mismatch corrected by {correction}"
+                             if correction else "")
 
     def state_meta(self) -> dict[str, Any]:
         return {"data_position": float(self.collector.position)}
@@ -119,9 +120,7 @@ class OneAhead(Synchronous):
         return time.perf_counter() - t0
 
     def describe(self, correction: str | None) -> str:
-        fixed = (f"corrected by {correction}" if correction
-                 else "uncorrected (algo.async_correction=false)")
-        return f", rollouts one step ahead {fixed}"
+        return f", rollouts one step ahead {corrected(correction)}"
 
     def state_meta(self) -> dict[str, Any]:
         # a round sampled ahead for the next step is not kept: a resumed run draws it again

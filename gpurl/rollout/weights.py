@@ -45,3 +45,9 @@ class PolicyWeights:
     def _seen(self) -> None:
         if self.computed_at is None:
             self.computed_at = time.perf_counter()
+
+
+def corrected(correction: str | None) -> str:
+    """How the start-up line says off-policy tokens are corrected (`correction`: the
+    algorithm's correction, None when algo.async_correction=false)."""
+    return f"corrected by {correction}" if correction else "uncorrected (algo.async_correction=false)"

@@ -35,7 +35,8 @@ from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.frozen import Frozen
 from gpurl.train.metrics import MetricsSink
 from gpurl.train.optim import lr_schedule, train_optimizer
-from gpurl.train.plan import ProgramPlan, check, fitted, plan_summary
+from gpurl.plan.memory import ProgramPlan, check, plan_summary
+from gpurl.train.fitting import fitted
 from gpurl.train.plots import write_curves
 from gpurl.train.preference import PreferenceStepper
 from gpurl.train.rl import RLStepper

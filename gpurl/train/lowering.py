@@ -17,11 +17,10 @@ plan.target=h100` compiles a run's programs for compile-only GPUs where it is in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from gpurl.config import Config
-from gpurl.distributed.mesh import abstract, sharded
 from gpurl.kernels import platform
+from gpurl.plan.programs import Kind, ProgramRecord
 from gpurl.train.loop import build
 
 # gpurl's platform name for each lowering platform
@@ -30,30 +29,30 @@ BACKENDS = {"cuda": "gpu", "rocm": "gpu", "cpu": "cpu", "tpu": "tpu"}
 
 @dataclass(frozen=True)
 class Lowered:
-    """One program lowered for a platform: its name, and its StableHLO text."""
+    """One program lowered for a platform: its kind, and its StableHLO text."""
 
-    name: str
+    kind: Kind
     text: str
+
+    @property
+    def name(self) -> str:
+        return self.kind.value
 
     def count(self, fragment: str) -> int:
         return self.text.count(fragment)
 
 
-def programs(cfg: Config) -> list[tuple[str, Any, tuple]]:
-    """(name, jitted function, abstract arguments) of every program the run `cfg` runs,
-    built with the current platform's choices (call inside `platform.target`)."""
+def programs(cfg: Config) -> list[ProgramRecord]:
+    """The record of every program the run `cfg` runs, built with the current platform's
+    choices (call inside `platform.target`)."""
     cfg, setup, stepper = build(cfg)
-    place = setup.place
-    train = ("train step", setup.step_fn.jitted,
-             (abstract(place.abstract_state, place.state), sharded(stepper.batch_spec(), place.batch),
-              setup.abstract_teacher()))
-    return [train, *stepper.programs()]
+    return [setup.train_program(stepper.batch_spec()), *stepper.programs()]
 
 
 def lower(cfg: Config, lowering_platform: str = "cuda") -> list[Lowered]:
     """Every program of the run lowered for `lowering_platform`, traced with that
     platform's choices."""
     with platform.target(BACKENDS[lowering_platform]):
-        return [Lowered(name, fn.trace(*args).lower(lowering_platforms=(lowering_platform,))
+        return [Lowered(p.kind, p.fn.trace(*p.args).lower(lowering_platforms=(lowering_platform,))
                         .as_text())
-                for name, fn, args in programs(cfg)]
+                for p in programs(cfg)]

@@ -32,6 +32,7 @@ from gpurl.distributed import runtime
 from gpurl.distributed.mesh import abstract, batch_divisor, replicated, sharded
 from gpurl.distributed.sync import WeightSync
 from gpurl.models.spec import Params
+from gpurl.plan.programs import Kind, ProgramRecord
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.rounds import Rounds, rollout_engine
 from gpurl.rollout.prompts import encode_prompts
@@ -98,15 +99,15 @@ class PreferenceStepper(Stepper):
             spec["ref_logps"] = jax.ShapeDtypeStruct((self.train_cfg.batch_size, 2), jnp.float32)
         return spec
 
-    def programs(self) -> list[tuple[str, Any, tuple]]:
+    def programs(self) -> list[ProgramRecord]:
         """The sequence log-probs (the reference's, and held-out pairs')."""
         if self._logps is None:
             return []
         place = self.setup.place
         pairs = {k: v for k, v in self.batch_spec().items() if k != "ref_logps"}
-        return [("sequence log-probs", self._logps,
-                 (abstract(place.abstract_state.params, place.state.params),
-                  sharded(pairs, place.batch)))]
+        return [ProgramRecord(Kind.SEQUENCE_LOGPS, self._logps,
+                              (abstract(place.abstract_state.params, place.state.params),
+                               sharded(pairs, place.batch)), "call (a step's pairs)")]
 
     def resident_bytes(self) -> float:
         """The frozen reference beside the train state."""

@@ -14,7 +14,6 @@ loop reads step s's metrics after dispatching step s+1.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Sequence
 
 import jax
@@ -23,14 +22,14 @@ import numpy as np
 
 from gpurl.algorithms import behaviour
 from gpurl.algorithms.rl import RLContext, RLInputs
-from gpurl.config import (Config, ConfigError, DataConfig, EnvConfig, MeshConfig,
+from gpurl.config import (Config, DataConfig, EnvConfig, MeshConfig,
                           PolicyGradientConfig, RewardsConfig, RolloutConfig, TrainConfig)
 from gpurl.data.sources import default_rewards, load_prompts
-from gpurl.distributed import host, layout, runtime
+from gpurl.distributed import layout
 from gpurl.data import packing
-from gpurl.distributed.mesh import (abstract, batch_divisor, placement_devices, replicated,
-                                    shard_bytes, sharded)
+from gpurl.distributed.mesh import batch_divisor, placement_devices, replicated
 from gpurl.distributed.sync import WeightSync
+from gpurl.plan.memory import device_memory
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.collect import Collector, Shaping
 from gpurl.rollout.rounds import Rounds, rollout_engine
@@ -40,11 +39,11 @@ from gpurl.rollout.sources import batch_source
 from gpurl.rollout.weights import PolicyWeights
 from gpurl.train.metrics import DeviceTimer, Sum
 from gpurl.train.step import TrainState, jit_rows
+from gpurl.train.rl_programs import RLPrograms
 from gpurl.train.stepper import Setup, Stepper
-from gpurl.train.plan import ProgramPlan, device_memory, plan_rollout
 
 
-class RLStepper(Stepper):
+class RLStepper(RLPrograms, Stepper):
     """Rollouts, rewards and batches of an RL algorithm for the shared train step.
 
     The trained tree is the language model or PPO's policy with its critic; rollouts use
@@ -77,7 +76,7 @@ class RLStepper(Stepper):
         longest = max(len(t) for t in self.prompts.tokens + (self.evals.tokens if self.evals else []))
         # mesh.rollout_tp=auto: the width leaving the most room for the KV pool beside what
         # stays on the devices (colocated: the train state and the frozen models)
-        beside = (self._state_bytes() + self.frozen.bytes_per_device()
+        beside = (setup.place.state_bytes() + self.frozen.bytes_per_device()
                   if mesh.placement == "colocated" else 0.0)
         mesh, self.layout = layout.resolve(mesh, spec.policy, placement_devices(mesh)[1],
                                            memory - beside)
@@ -86,7 +85,6 @@ class RLStepper(Stepper):
         self.rounds = Rounds(self.engine, setup.tokenizer, self.functions, prompt_width(longest), env)
         self.sync = WeightSync(spec.policy_params(place.state.params),
                                self.engine.abstract_params)
-        self._check_rows()
         # With a reward model and no reward functions named, the functions (the data's
         # answer check) only report; the reward model's score is the reward.
         shaping = Shaping(self.rounds.width, algo.overlong_buffer, algo.overlong_penalty,
@@ -112,7 +110,6 @@ class RLStepper(Stepper):
         self.budget = train.micro_batch_tokens or packing.default_budget(
             train.batch_size // train.num_micro_batches, algo.num_generations,
             self.rounds.prompt_width + self.rounds.width, self.shards)
-        self.pad_id = setup.tokenizer.pad_id
         reward_model = self.frozen.reward_model
         ctx = RLContext(spec, rollout.temperature, reward_model.spec if reward_model else None,
                         off_policy=self.overlap)
@@ -120,136 +117,20 @@ class RLStepper(Stepper):
                                  out_shardings=(place.batch, replicated(place.mesh),
                                                replicated(place.mesh)))
 
-    def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """The prepared batch's shapes: the collector's arrays through the prepare step."""
-        return jax.eval_shape(self._prepare, *self._prepare_args(self._collected_spec()))[0]
-
-    def _collected_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """The collector's arrays of a step, as the prepare step takes them."""
-        p, g = self.train.batch_size, self.algo.num_generations
-        n, w = self.rounds.width, self.rounds.prompt_width
-        i32, f32 = jnp.int32, jnp.float32
-        sds = jax.ShapeDtypeStruct
-        collected = {"prompt_tokens": sds((p, w), i32), "prompt_lengths": sds((p,), i32),
-                     "completions": sds((p, g, n), i32), "completion_lengths": sds((p, g), i32),
-                     "comp_mask": sds((p, g, n), f32), "sampler_logprobs": sds((p, g, n), f32)}
-        replayed = self.engine.routes_shape
-        if replayed is not None:  # routing replay: the sampler's experts per token
-            collected["routes"] = sds((p, g, n, *replayed), jnp.int16)
-        if self.train.packed:  # a longest prompt and completion: w + n slots
-            collected.update(packing.planned_spec(p, g, w + n, n, self.budget, self.shards,
-                                                  self.context))
-        return collected
-
-    def _prepare_args(self, collected: dict) -> tuple:
-        """The prepare step's arguments, abstract, for a collected batch's shapes."""
-        place = self.setup.place
-        params = abstract(place.abstract_state.params, place.state.params)
-        rows = self.train.batch_size * self.algo.num_generations
-        return (params, *self.frozen.abstract(), collected,
-                jax.ShapeDtypeStruct((rows,), jnp.float32), self.carry)
-
-    def programs(self) -> list[tuple[str, Any, tuple]]:
-        """The prepare step (old, reference and reward-model log-probs, advantages) and the
-        rollout round's prefill and decode chunk."""
-        collected = sharded(self._collected_spec(), self.setup.place.batch)
-        return [("prepare", self._prepare, self._prepare_args(collected)),
-                *self.engine.round_programs(*self._round_shape())]
-
-    def rollout_round(self) -> tuple[Any, int, int, int]:
-        return (self.engine, *self._round_shape())
-
-    def _round_shape(self) -> tuple[int, int, int]:
-        """(requests per process, prompt width, identical runs) of a step's rollout round."""
-        rows, g = self.train.batch_size * self.algo.num_generations, self.algo.num_generations
-        group = math.gcd(g, rows // max(self.engine.mesh.shape["data"], 1))
-        return rows // runtime.process_count(), self.rounds.plan_width, group
-
-    def _sampling_copy(self) -> tuple[float, float]:
-        """(bytes per device of the policy's parameters in the rollout layout that are a
-        copy, bytes that share the trainer's buffers): colocated leaves already in the
-        rollout's dtype and layout are not copied."""
-        trainer = jax.tree.leaves(self.setup.spec.policy_params(self.setup.place.abstract_state.params))
-        copy = alias = 0.0
-        for i, (x, target) in enumerate(zip(trainer, self.sync.targets)):
-            parts = list(target) if isinstance(target, tuple) else [target]
-            nbytes = shard_bytes(parts, [a.sharding for a in parts])
-            if self.sync.shares(x, i):
-                alias += nbytes
-            else:
-                copy += nbytes
-        return copy, alias
-
-    def resident_bytes(self) -> float:
-        """Beside the train step: the frozen models and, colocated, the sampling copy (a
-        teacher is one of the train step's arguments: the plan counts it there)."""
-        return (self.frozen.bytes_per_device(teacher=False)
-                + (self._sampling_copy()[0] if self.sync.colocated else 0.0))
-
-    def rollout_plan(self, limit: float) -> ProgramPlan:
-        """The sampling program of a rollout round (batch_size x G rows at the run's prompt
-        width), compiled for the run; colocated, the train state stays beside it."""
-        resident = 0.0
-        if self.sync.colocated:
-            resident = (self._state_bytes() - self._sampling_copy()[1]
-                        + self.frozen.bytes_per_device())
-        rows, width, group = self._round_shape()
-        # a stream holds several batches at once (continuous: rollout.in_flight, up to
-        # rollout.slots per shard), and an evaluation's `generate` has a pool beside it
-        rows *= self.source.batches_in_flight
-        plan = plan_rollout(self.engine, rows, width, group, resident, limit)
-        if self.source.streams and self.has_eval:
-            eval_rows = -(-self.train.eval_batch_size // runtime.process_count())
-            plan.parts["KV cache (evaluation)"] = self.engine.pool_bytes(eval_rows, width)
-            plan.notes.append("KV cache (evaluation): an evaluation's pool beside the "
-                              "continuous stream's")
-        plan.notes.append(self.layout)
-        return plan
-
-    def _state_bytes(self) -> float:
-        """The train state (parameters, optimizer state) per trainer device."""
-        place = self.setup.place
-        return (shard_bytes(place.abstract_state.params, place.state.params)
-                + shard_bytes(place.abstract_state.opt_state, place.state.opt_state))
-
-    def plan_prompt_len(self, tokens: int) -> None:
-        """Rollouts of prompts padded to `tokens` (rounded up to a bucket) instead of the
-        data's longest: what `gpurl plan` compiles and counts."""
-        self.rounds.prompt_width = prompt_width(tokens)
-
     def describe(self) -> str:
-        env, functions = self.rounds.env, ", ".join(r.name for r in self.rounds.rewards)
-        summed = [f"environment {env.name}"] if env is not None else []
-        if self.frozen.reward_model is not None:
-            summed.append(f"reward model {self.frozen.reward_model.path}")
-        reported = functions and not self.collector.shaping.function_weight
-        if functions and not reported:
-            summed.append(functions)
-        names = " + ".join(summed) or "none"
-        names += f" (reported: {functions})" if reported else ""
-        fix = behaviour.describe(self.algo, self.overlap)
-        ahead = self.source.describe(fix) or (
-            f", sampler/trainer mismatch corrected by {fix}" if fix else "")
+        reward_model = self.frozen.reward_model
+        names = self.collector.describe_rewards(reward_model.path if reward_model else None)
+        ahead = self.source.describe(behaviour.describe(self.algo, self.overlap))
         return (f"{len(self.prompts)} train prompts, {len(self.evals) if self.evals else 0} eval "
                 f"prompts ({self.skipped} longer than data.max_len skipped), "
                 f"G={self.algo.num_generations}, rewards: {names}{ahead}; rollout "
                 f"{dict(self.engine.mesh.shape)} ({self.layout})")
 
-    def _check_rows(self) -> None:
-        rows = self.train.batch_size * self.algo.num_generations
-        count = runtime.process_count()
-        shards = self.engine.mesh.shape["data"]
-        if self.train.batch_size % count or rows % max(shards, 1):
-            raise ConfigError(
-                f"train.batch_size={self.train.batch_size} prompts x algo.num_generations="
-                f"{self.algo.num_generations} = {rows} rows must split evenly over {count} "
-                f"processes and {shards} rollout data shards; change train.batch_size.")
-
     def _prepare_fn(self, ctx: RLContext, params: Any, ref_params: Any, rm_params: Any,
                     teacher: Any, batch: dict, rewards_B: jax.Array, carry: dict
                     ) -> tuple[dict, dict, dict]:
         if "pack/source" in batch:  # the packed rows' tokens, from the plan's indices
-            batch = packing.gather(batch, self.pad_id)
+            batch = packing.gather(batch, self.collector.pad_id)
         reference = self.frozen.reference
         ref_params = reference.inside(params, ref_params) if reference is not None else None
         return self.setup.algorithm.prepare(
@@ -288,21 +169,14 @@ class RLStepper(Stepper):
         return state, metrics
 
     def _pack(self, batch: dict, lengths_PxG1: np.ndarray | None = None) -> packing.Plan:
-        """The packed layout of a collected batch from its prompt and completion lengths
-        (P x (1 + G), the same on every process; None: fetched from the batch's arrays),
-        the same plan everywhere."""
-        if lengths_PxG1 is None:
-            lengths_PxG1 = host.to_host(jnp.concatenate([batch["prompt_lengths"][:, None],
-                                                         batch["completion_lengths"]], axis=1))
-        return packing.plan(lengths_PxG1[:, 0], lengths_PxG1[:, 1:], batch["prompt_tokens"].shape[1],
-                            batch["completions"].shape[2], self.budget, self.shards,
-                            packing.attention_cost(self.setup.spec.policy.cfg.d_model),
-                            context=self.context)
+        """The packed layout of a collected batch, the same on every process
+        (`packing.plan_grouped`)."""
+        return packing.plan_grouped(batch, lengths_PxG1, self.budget, self.shards,
+                                    self.setup.spec.policy.cfg.d_model, self.context)
 
     def state_meta(self) -> dict[str, Any]:
         """The prepare step's carry (PPO's adaptive KL coefficient) and the batch source's
-        state: the data position (the batches of prompts the finished steps drew) and, in
-        continuous mode, what is in flight."""
+        state (the data position; in continuous mode, what is in flight)."""
         return {**{k: float(v) for k, v in self.carry.items()}, **self.source.state_meta()}
 
     def restore_meta(self, meta: dict) -> None:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 import jax
@@ -18,6 +17,7 @@ from gpurl.data.sft import TokenRows, encode_sft
 from gpurl.data.sources import load_examples
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import abstract, sharded
+from gpurl.plan.programs import Kind, ProgramRecord
 from gpurl.train.step import TrainState, make_eval_step
 from gpurl.train.stepper import Setup, Stepper
 
@@ -61,11 +61,12 @@ class SFTStepper(Stepper):
         return {k: jax.ShapeDtypeStruct((self.train.batch_size,) + v.shape[1:], v.dtype)
                 for k, v in rows.items()}
 
-    def programs(self) -> list[tuple[str, Any, tuple]]:
+    def programs(self) -> list[ProgramRecord]:
         place = self.setup.place
-        return [("eval step", self._eval_fn, (abstract(place.abstract_state.params, place.state.params),
-                                              sharded(self.batch_spec(), place.batch),
-                                              self.setup.abstract_teacher()))]
+        return [ProgramRecord(Kind.EVAL, self._eval_fn,
+                              (abstract(place.abstract_state.params, place.state.params),
+                               sharded(self.batch_spec(), place.batch),
+                               self.setup.abstract_teacher()), "call (a batch of held-out rows)")]
 
     def evaluate(self, params) -> dict[str, float]:
         totals: dict[str, float] = {}

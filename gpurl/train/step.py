@@ -21,7 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gpurl.algorithms.objective import Batch, Objective, reduce_micro
 from gpurl.config import ModelConfig, OptimConfig
 from gpurl.data import packing
-from gpurl.distributed.mesh import Rules, batch_sharding, packed_spec, replicated, tree_shardings
+from gpurl.distributed.mesh import (Rules, batch_sharding, packed_spec, replicated, shard_bytes,
+                                    tree_shardings)
 from gpurl.models import lora, moe
 from gpurl.models.paths import param_path
 from gpurl.models.spec import ModelSpec, Params
@@ -100,6 +101,11 @@ class Placement:
     # trained or checkpointed (rebuilt from the model's checkpoint or seed); None = no LoRA
     frozen: Any = None
     rules: Rules | None = None  # how the parameters were placed (logical axis -> mesh axes)
+
+    def state_bytes(self) -> float:
+        """The train state (parameters, optimizer state) per device."""
+        return (shard_bytes(self.abstract_state.params, self.state.params)
+                + shard_bytes(self.abstract_state.opt_state, self.state.opt_state))
 
 
 def checkpointed(place: Placement, tree: TrainState) -> TrainState:

@@ -18,7 +18,9 @@ from gpurl.algorithms.objective import Objective
 from gpurl.algorithms.registry import Algorithm
 from gpurl.config import AlgoConfig, Config, ConfigError, MeshConfig
 from gpurl.distributed import host
+from gpurl.distributed.mesh import abstract, sharded
 from gpurl.models.tokenizer import Tokenizer
+from gpurl.plan.programs import Kind, ProgramRecord, RolloutRound
 from gpurl.train.frozen import Frozen
 from gpurl.train.step import Placement, TrainState
 
@@ -51,6 +53,13 @@ class Setup:
     def abstract_teacher(self) -> Any:
         """The teacher's abstract arguments for compiling ahead of time; None without one."""
         return None if self.teacher is None else self.teacher.abstract
+
+    def train_program(self, batch: dict[str, jax.ShapeDtypeStruct]) -> ProgramRecord:
+        """The train step's record for a batch of these global shapes (`Stepper.batch_spec`)."""
+        state = abstract(self.place.abstract_state, self.place.state)
+        return ProgramRecord(Kind.TRAIN, self.step_fn.jitted,
+                             (state, sharded(batch, self.place.batch), self.abstract_teacher()),
+                             "call (a step's batch, its micro-batches accumulated)")
 
     def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Each process passes only its own rows; JAX assembles the global sharded batch."""
@@ -92,18 +101,14 @@ class Stepper:
         """Bytes per device that stay beside the train state (a frozen reference)."""
         return 0.0
 
-    def programs(self) -> list[tuple[str, Any, tuple]]:
-        """(name, jitted function, abstract arguments) of each program the stepper runs
-        besides the train step: what `gpurl.train.lowering` lowers for another platform."""
+    def programs(self) -> list[ProgramRecord]:
+        """A record of each program the stepper runs besides the train step: what the
+        account charges and `gpurl.train.lowering` lowers for another platform."""
         return []
 
-    def rollout_plan(self, limit: float) -> Any:
-        """The sampling program's `ProgramPlan` (compiled ahead of time); None without one."""
-        return None
-
-    def rollout_round(self) -> tuple[Any, int, int, int] | None:
-        """(the rollout engine, requests per process, prompt width, identical runs) of a
-        step's rollout round, as the plan compiles it; None without a rollout."""
+    def rollout_round(self) -> RolloutRound | None:
+        """A step's rollout round as the plan compiles it (`gpurl.plan.memory.plan_rollout`);
+        None without a rollout."""
         return None
 
     def plan_prompt_len(self, tokens: int) -> None:

@@ -1,5 +1,5 @@
 """What the GPU compiler says of a run: each GPU program's flops and HBM bytes per unit of
-work, by the compiler's own account of its optimized module (`gpurl.distributed.account`),
+work, by the compiler's own account of its optimized module (`gpurl.plan.account`),
 beside the ideal and the roofline time on the targeted GPU (`targets.GPUS`: its dense bf16
 peak and its memory bandwidth), and from them a bound on decode tokens/s and on an RL
 step's tokens/s per GPU. `gpurl plan plan.target=...` prints it under each program; tests
@@ -33,10 +33,11 @@ import numpy as np
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.config import Config
-from gpurl.distributed.account import Account, Cost, Hints
-from gpurl.distributed.targets import Gpu
 from gpurl.distributed.mesh import held_bytes
+from gpurl.distributed.targets import Gpu
 from gpurl.models.transformer import STACKS, compute_dtype, remat_policy
+from gpurl.plan.account import Account, Cost, Hints
+from gpurl.plan.programs import Kind
 
 GB = 1e9
 
@@ -246,32 +247,33 @@ def rl_bound(gpu: Gpu, decode: ProgramAccount, prefill: ProgramAccount,
 # ------------------------------------------------------------------ a run's programs
 
 
-def accounts(cfg: Config, setup: Any, stepper: Any, plans: list[Any], gpu: Gpu) -> list[str]:
+def accounts(cfg: Config, setup: Any, stepper: Any, plans: list[Any], gpu: Gpu) -> str:
     """The account of every GPU program the plan compiled (and the RL prepare step,
     compiled here), as lines under each plan's table, and the RL step's bound; returns
-    the bound's line (empty without a rollout)."""
-    train_plan = next(p for p in plans if p.name == "train step")
+    the bound's line (empty without a rollout). Programs are found by `Kind`."""
+    by_kind = {p.kind: p for p in plans}
+    train_plan = by_kind[Kind.TRAIN]
     lora = cfg.model.lora.rank > 0
     remat = remat_policy(cfg.model)
     devices = setup.place.mesh.size
     batch = stepper.batch_spec()
-    train = train_account("train step", train_plan.gpu_programs[0], setup.spec, batch, devices,
-                          remat, lora)
+    train = train_account(Kind.TRAIN.value, train_plan.gpu_programs[Kind.TRAIN], setup.spec,
+                          batch, devices, remat, lora)
     train_plan.account = train.lines(gpu)
     round_ = stepper.rollout_round()
-    rollout_plan = next((p for p in plans if p.name == "rollout"), None)
+    rollout_plan = by_kind.get(Kind.ROLLOUT)
     if round_ is None or rollout_plan is None:
         return ""
-    engine, rows, width, group = round_
-    prefill = prefill_account(engine, rollout_plan.gpu_programs[0], rows, width, group)
-    decode = decode_account(engine, rollout_plan.gpu_programs[1], rows, width, group)
+    engine, rows, width, group = round_.engine, round_.rows, round_.width, round_.group
+    prefill = prefill_account(engine, rollout_plan.gpu_programs[Kind.PREFILL], rows, width, group)
+    decode = decode_account(engine, rollout_plan.gpu_programs[Kind.DECODE], rows, width, group)
     rollout_plan.account = prefill.lines(gpu) + decode.lines(gpu)
     steps = []
-    for name, fn, args in stepper.programs():
-        if name == "prepare":
+    for record in stepper.programs():
+        if record.kind is Kind.PREPARE:
             hints = Hints(context=setup.place.mesh.shape.get("context", 1))
-            prepare = ProgramAccount("prepare step", "call (the step's batch)", Account(
-                fn.lower(*args).compile().as_text(), hints).program())
+            prepare = ProgramAccount("prepare step", record.unit, Account(
+                record.fn.lower(*record.args).compile().as_text(), hints).program())
             train_plan.account += prepare.lines(gpu)
             steps.append((prepare, 1.0))
     family = registry.get(cfg.algo.name).family
