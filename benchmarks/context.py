@@ -58,18 +58,19 @@ class Width:
         self.state = self.setup.init()
         self.batch, self.rewards = collected(self.stepper, _lengths(self.stepper, args.tokens))
         plan = self.stepper._pack(self.batch)
-        self.batch = {**self.batch, **packing.put(plan, self.setup.place.batch)}
+        self.packed = packing.put(plan, self.setup.place.batch)
         self.static = (plan.num_micro,) if plan.num_micro > 1 else ()
         self.shape = f"{plan.shape[0]} rows x {plan.shape[1]}, {plan.num_micro} micro"
 
     def phase(self) -> float:
         self.state, seconds = train_phase(self.setup, self.stepper, self.state, self.batch,
-                                          self.rewards, self.static)
+                                          self.packed, self.rewards, self.static)
         return seconds
 
     def memory(self) -> float:
         s = self.stepper
-        args = (self.state.params, *s.frozen.values(), self.batch, self.rewards, s.carry)
+        args = (self.state.params, *s.frozen.values(), self.batch, self.packed, self.rewards,
+                s.carry)
         batch = jax.eval_shape(s._prepare, *args)[0]
         m = self.setup.step_fn.jitted.lower(self.state, batch, None, *self.static).compile(
             ).memory_analysis()

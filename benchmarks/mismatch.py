@@ -150,7 +150,7 @@ def account(args: argparse.Namespace) -> list[dict]:
 
     from gpurl.plan.account import Account
     from gpurl.distributed.mesh import job_devices
-    from gpurl.distributed.targets import compile_only, gpu
+    from gpurl.plan.targets import compile_only, gpu
 
     target, rows = gpu("h100"), []
     print("\nThe head's programs on a compile-only H100 (XLA's GPU compiler, bf16), the "

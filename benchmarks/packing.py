@@ -43,6 +43,7 @@ import numpy as np
 
 from gpurl.cli.compose import validate
 from gpurl.data import packing
+from gpurl.data.rollouts import RolloutBatch
 from gpurl.train.loop import build
 
 MIX = ((32, 0.75), (128, 0.1875), (512, 0.0625))  # completion tokens, share of completions
@@ -79,7 +80,7 @@ def overrides(args: argparse.Namespace, packed: bool) -> list[str]:
             f"train.packed={str(packed).lower()}", "plan.check=false", *args.overrides]
 
 
-def collected(stepper: Any, clen_PxG: np.ndarray) -> tuple[dict, jax.Array]:
+def collected(stepper: Any, clen_PxG: np.ndarray) -> tuple[RolloutBatch, jax.Array]:
     """The grouped batch the collector would hand over: prompts of PROMPT tokens, the
     mix's completion lengths, random tokens and sampler log-probs."""
     rng = np.random.default_rng(1)
@@ -95,16 +96,17 @@ def collected(stepper: Any, clen_PxG: np.ndarray) -> tuple[dict, jax.Array]:
     sh = stepper.setup.place.batch
     out = {k: jax.device_put(np.asarray(v, np.float32 if v.dtype == np.float32 else np.int32), sh)
            for k, v in batch.items()}
-    return out, jax.device_put(rng.uniform(0, 1, p * g).astype(np.float32), sh)
+    return RolloutBatch(**out), jax.device_put(rng.uniform(0, 1, p * g).astype(np.float32), sh)
 
 
-def train_phase(setup: Any, stepper: Any, state: Any, batch: dict, rewards: jax.Array,
-                static: tuple) -> tuple[Any, float]:
+def train_phase(setup: Any, stepper: Any, state: Any, batch: RolloutBatch, packed: dict | None,
+                rewards: jax.Array, static: tuple) -> tuple[Any, float]:
     """(the updated state, seconds of prepare + train step: dispatch to the updated
-    parameters' arrival) of an RL stepper on a collected batch."""
+    parameters' arrival) of an RL stepper on a collected batch (`packed`: its packed
+    layout's arrays, or None)."""
     s = stepper
     t0 = time.perf_counter()
-    prepared, _, _ = s._prepare(state.params, *s.frozen.values(), batch, rewards,
+    prepared, _, _ = s._prepare(state.params, *s.frozen.values(), batch, packed, rewards,
                                 s.carry)
     state, metrics = setup.step_fn(state, prepared, None, *static)
     jax.block_until_ready((state.params, metrics))
@@ -121,13 +123,14 @@ class Layout:
         self.state = self.setup.init()
         self.batch, self.rewards = collected(self.stepper, clen_PxG)
         self.static: tuple = ()
-        p, g, n = self.batch["completions"].shape
-        w = self.batch["prompt_tokens"].shape[1]
+        self.packed = None
+        p, g, n = self.batch.completions.shape
+        w = self.batch.prompt_tokens.shape[1]
         self.slots = p * w + p * g * n  # the padded forward: prompts once, then P x G x N
         self.memory = 0.0
         if packed:
             plan = self.stepper._pack(self.batch)
-            self.batch = {**self.batch, **packing.put(plan, self.stepper.setup.place.batch)}
+            self.packed = packing.put(plan, self.stepper.setup.place.batch)
             self.static = (plan.num_micro,)
             self.slots = int(np.prod(plan.shape))
             self.shape = f"{plan.shape[0]} rows x {plan.shape[1]}, {plan.num_micro} micro"
@@ -137,13 +140,13 @@ class Layout:
     def phase(self) -> float:
         """Seconds of prepare + train step (dispatch to the updated parameters' arrival)."""
         self.state, seconds = train_phase(self.setup, self.stepper, self.state, self.batch,
-                                          self.rewards, self.static)
+                                          self.packed, self.rewards, self.static)
         return seconds
 
     def measure_memory(self) -> None:
         """Arguments + temporaries per device of the prepare step and of the train step."""
         s = self.stepper
-        args = (self.state.params, *s.frozen.values(), self.batch, self.rewards,
+        args = (self.state.params, *s.frozen.values(), self.batch, self.packed, self.rewards,
                 s.carry)
         prepared = s._prepare.lower(*args).compile()
         batch = jax.eval_shape(s._prepare, *args)[0]
@@ -183,19 +186,19 @@ def gpu_costs(args: argparse.Namespace, clen_PxG: np.ndarray) -> None:
         with compiled_for(cfg):
             cfg, setup, stepper = build(planned_config(cfg))
             place, static = setup.place, ()
-            collected = stepper._collected_spec()
-            p, g, n = collected["completions"].shape
-            shape = f"{p} x {g} x {n} + prompts {p} x {collected['prompt_tokens'].shape[1]}"
+            collected, packed_spec = stepper._collected_spec()
+            p, g, n = collected.completions.shape
+            shape = f"{p} x {g} x {n} + prompts {p} x {collected.prompt_tokens.shape[1]}"
             if packed:
                 plen = np.full(len(clen_PxG), PROMPT)
                 plan = packing.plan(plen, clen_PxG, stepper.rounds.prompt_width, stepper.rounds.width,
                                     stepper.budget, stepper.shards,
                                     packing.attention_cost(setup.spec.policy.cfg.d_model))
                 sds = jax.ShapeDtypeStruct
-                collected.update({k: sds(v.shape, np.int32) for k, v in packing.plan_arrays(plan).items()})
+                packed_spec = {k: sds(v.shape, np.int32) for k, v in packing.plan_arrays(plan).items()}
                 static = (plan.num_micro,) if plan.num_micro > 1 else ()
                 shape = f"{plan.shape[0]} rows x {plan.shape[1]}, {plan.num_micro} micro"
-            prep_args = stepper._prepare_args(sharded(collected, place.batch))
+            prep_args = stepper._prepare_args(*sharded((collected, packed_spec), place.batch))
             prepared = stepper._prepare.lower(*prep_args).compile()
             batch = jax.eval_shape(stepper._prepare, *prep_args)[0]
             train = setup.step_fn.jitted.lower(abstract(place.abstract_state, place.state),

@@ -22,8 +22,7 @@ PROGRAMS = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from gpurl.distributed import targets
-from gpurl.plan import account
+from gpurl.plan import account, targets
 from gpurl.distributed.mesh import job_devices
 jax.config.update("jax_platforms", "cpu")
 with targets.compile_only(targets.GPUS["h100"], 1):

@@ -42,7 +42,7 @@ def test_grpo_step_split_over_the_context_axis_equals_one_device_per_row(context
     base = _step("grpo", 1, key)
     split = _step("grpo", context, key)
     assert split[0]["pack/tokens"].shape[1] // context < CLEN.max()  # a completion spans devices
-    mask = np.asarray(base[4]["comp_mask"])
+    mask = np.asarray(base[4].comp_mask)
     for k in base[1]:
         _close(base[1][k], split[1][k], k)
     assert "ref_logprobs" in base[0]

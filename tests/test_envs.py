@@ -180,8 +180,9 @@ def test_a_three_turn_trajectory_has_the_hand_built_layout():
 
     collector = object.__new__(Collector)  # only its batch assembly
     collector.group, collector.pad_id = 2, TOK.pad_id
-    batch, _ = collector._assemble_fn([Collector._parts(r, r.scores[:, 0])], jnp.arange(8),
-                                      jnp.ones(8, bool))
+    rollout, _ = collector._assemble_fn([Collector._parts(r, r.scores[:, 0])], jnp.arange(8),
+                                        jnp.ones(8, bool))
+    batch = rollout.arrays()
     assert np.array_equal(np.asarray(batch["comp_mask"]).reshape(8, -1), mask)
     forward, _ = group_logprobs(SPEC, PARAMS, batch)
     forward = np.asarray(forward).reshape(8, -1)

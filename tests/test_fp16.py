@@ -39,7 +39,7 @@ def _poisoned(objective: Objective) -> Objective:
     """The objective plus a term that is 0 but has gradient 1e4 per embedding entry on
     rows whose `poison` is 1: times the scale (>= 2^10) that is past fp16's 65504."""
     def loss(spec, params, batch, norm, teacher=None):
-        value, metrics = objective.loss(spec, params, batch, norm, teacher)
+        value, metrics = objective.apply(spec, params, batch, norm, teacher)
         e16 = params["embed"].astype(jnp.float16)
         zero = (e16 - jax.lax.stop_gradient(e16)).astype(jnp.float32).sum()
         return value + jnp.max(batch["poison"]) * 1e4 * zero, metrics

@@ -1,5 +1,5 @@
 """`gpurl plan plan.target=...`: every program of a run compiled by XLA's GPU compiler for
-compile-only GPUs of a known kind (`gpurl.distributed.targets`) on this CPU machine, with
+compile-only GPUs of a known kind (`gpurl.plan.targets`) on this CPU machine, with
 the GPU's choices (cuDNN attention on Ampere and newer, Pallas kernels compiled by Triton,
 bf16), and the memory a GPU of that kind would give it. The compiler tests install the
 `gpu-plan` extra beside the test virtualenv (tests/gpu_compiler.py) and run `gpurl plan` in
@@ -15,7 +15,7 @@ import gpu_compiler
 from conftest import TINY_MODEL, make_config
 from gpurl.config import ConfigError
 from gpurl.commands.plan import compiled_for
-from gpurl.distributed import targets
+from gpurl.plan import targets
 from gpurl.kernels import attention, platform
 from gpurl.train import loop
 

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import TINY_MODEL, make_config
 from gpurl.data import packing
+from gpurl.data.rollouts import RolloutBatch
 from gpurl.kernels.segments import BRANCHES
 from gpurl.config import LoraConfig, MoEConfig
 
@@ -194,7 +195,7 @@ CASES = {
 }
 
 
-def _collected(stepper, multi_turn: bool, seed: int = 0) -> tuple[dict, jax.Array]:
+def _collected(stepper, multi_turn: bool, seed: int = 0) -> tuple[RolloutBatch, jax.Array]:
     """A grouped batch as the collector hands it over (CLEN's lengths; multi-turn: each
     completion's middle third is an observation span, masked), and the rows' rewards."""
     rng = np.random.default_rng(seed)
@@ -216,18 +217,19 @@ def _collected(stepper, multi_turn: bool, seed: int = 0) -> tuple[dict, jax.Arra
     dtypes = {"comp_mask": np.float32, "sampler_logprobs": np.float32, "routes": np.int16}
     sh = stepper.setup.place.batch
     out = {k: jax.device_put(np.asarray(v, dtypes.get(k, np.int32)), sh) for k, v in batch.items()}
-    return out, jax.device_put(jnp.asarray(rng.uniform(0, 1, P * G), jnp.float32), sh)
+    return RolloutBatch(**out), jax.device_put(jnp.asarray(rng.uniform(0, 1, P * G), jnp.float32), sh)
 
 
 def _prepared(stepper, params, collected, rewards, packed: bool):
+    arrays = None
     if packed:
         plan = stepper._pack(collected)
-        collected = {**collected, **packing.put(plan, stepper.setup.place.batch)}
+        arrays = packing.put(plan, stepper.setup.place.batch)
         m = plan.num_micro
     else:
         m = stepper.train.num_micro_batches
     batch, metrics, _ = stepper._prepare(params, *stepper.frozen.values(),
-                                         collected, rewards, stepper.carry)
+                                         collected, arrays, rewards, stepper.carry)
     return batch, metrics, m
 
 
@@ -261,7 +263,7 @@ def test_packed_step_equals_padded_step(key):
         assert set(pad_metrics) == set(pack_metrics)
         for k in pad_metrics:
             _close(pad_metrics[k], pack_metrics[k], k, tol)
-        mask = np.asarray(collected["comp_mask"])
+        mask = np.asarray(collected.comp_mask)
         for k in ("advantages", "old_logprobs", "ref_logprobs", "values", "returns", "is_weights"):
             if k in padded:
                 a, b = np.asarray(padded[k]), np.asarray(packed[k])

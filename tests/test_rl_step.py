@@ -61,16 +61,16 @@ def test_batch_is_grouped_by_prompt():
                 "completion_lengths": clen_B, "sampler_logprobs": clp_BxN, "rewards": rewards_B}],
         select_B, keep_B)
     np.testing.assert_allclose(rewards, [0.3, 0.4, 0.1, 0.2])  # each row keeps its reward
-    np.testing.assert_array_equal(out["prompt_tokens"], [[3, 0, 0, 0], [5, 6, 7, 0]])
-    np.testing.assert_array_equal(out["prompt_lengths"], [1, 3])
+    np.testing.assert_array_equal(out.prompt_tokens, [[3, 0, 0, 0], [5, 6, 7, 0]])
+    np.testing.assert_array_equal(out.prompt_lengths, [1, 3])
     # Tokens after a completion's end (99: sampled past the stop) become padding.
-    np.testing.assert_array_equal(out["completions"], [[[14, 15, 16], [17, 18, 0]],
+    np.testing.assert_array_equal(out.completions, [[[14, 15, 16], [17, 18, 0]],
                                                        [[11, 12, 0], [13, 0, 0]]])
-    np.testing.assert_array_equal(out["completion_lengths"], [[3, 2], [2, 1]])
+    np.testing.assert_array_equal(out.completion_lengths, [[3, 2], [2, 1]])
     # Loss on real completion tokens only, and none on a filler group (keep False).
-    np.testing.assert_array_equal(out["comp_mask"], [[[1, 1, 1], [1, 1, 0]],
+    np.testing.assert_array_equal(out.comp_mask, [[[1, 1, 1], [1, 1, 0]],
                                                      [[0, 0, 0], [0, 0, 0]]])
-    np.testing.assert_allclose(out["sampler_logprobs"][1], [[-1, -2, 0], [-3, 0, 0]])
+    np.testing.assert_allclose(out.sampler_logprobs[1], [[-1, -2, 0], [-3, 0, 0]])
 
 
 # Gemma 3's pattern (sliding-window layers with their own RoPE base around a global one,
@@ -210,9 +210,12 @@ def test_a_rounds_tokens_cross_to_a_device_once(tmp_path, monkeypatch):
         jax.block_until_ready(state)
         fetches = len(fetched)
         batch = got[0].batch
-        want = np.concatenate([np.asarray(batch["prompt_lengths"])[:, None],
-                               np.asarray(batch["completion_lengths"])], axis=1)
+        want = np.concatenate([np.asarray(batch.prompt_lengths)[:, None],
+                               np.asarray(batch.completion_lengths)], axis=1)
         np.testing.assert_array_equal(got[0].lengths(), want)
+        # the typed batch has the shapes its spec declares (what the plan compiles)
+        shapes = lambda tree: [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]  # noqa: E731
+        assert shapes(batch) == shapes(stepper.collector.spec())
     assert len(rounds) == 3  # a tiny random model's groups are all equal: two refills
     for r in rounds:
         for name in ("tokens", "logprobs", "prompt_tokens"):

@@ -19,7 +19,7 @@ from gpurl.algorithms.dpo import DPO_LOSSES
 from gpurl.algorithms.behaviour import BEHAVIOUR_RATIOS
 from gpurl.algorithms.policy_gradient import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, RATIOS
 from gpurl.cli import validate
-from gpurl.config import ConfigError, GRPOConfig
+from gpurl.config import ConfigError, GRPOConfig, RolloutConfig
 from gpurl.models import families
 from gpurl.train import loop
 
@@ -215,3 +215,25 @@ def test_a_config_yaml_written_before_the_split_still_reads(tmp_path):
     loop._prepare_run_dir(tmp_path, cfg, True, messages.append)
     assert len(messages) == 1 and "rewards.on_error: None -> 'zero'" in messages[0]
     assert "rewards.functions" not in messages[0]
+
+
+def test_the_rl_step_is_a_short_pipeline_and_the_plan_matches_programs_by_kind():
+    """`RLStepper` stays under 150 lines (its plan side lives in rl_programs.py); the plan,
+    the account and the run's fitting find programs by `Kind`, never by comparing a display
+    name; only a distillation objective declares that its loss takes the teacher."""
+    tree = ast.parse((PACKAGE / "train/rl.py").read_text())
+    stepper = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RLStepper")
+    assert stepper.end_lineno - stepper.lineno + 1 < 150, stepper.end_lineno - stepper.lineno + 1
+    planning = [*sorted((PACKAGE / "plan").glob("*.py")), PACKAGE / "train/fitting.py",
+                PACKAGE / "train/lowering.py"]
+    for path in planning:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Eq, ast.NotEq))
+                                                     for op in node.ops):
+                sides = [node.left, *node.comparators]
+                named = any(isinstance(s, ast.Attribute) and s.attr == "name" for s in sides)
+                text = any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides)
+                assert not (named and text), (path.name, ast.unparse(node))
+    takes = {name for name, record in registry.ALGORITHMS.items()
+             if record.objective(algo_config(name), RolloutConfig()).takes_teacher}
+    assert takes == {name for name, record in registry.ALGORITHMS.items() if record.distills}

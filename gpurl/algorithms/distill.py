@@ -236,7 +236,7 @@ def opd_objective(cfg: OPDConfig, rollout: RolloutConfig) -> Objective:
             return top_k_reverse_kl(student, teacher, cfg.top_k), logp
         return reverse_kl(student, teacher), logp
 
-    def loss(spec: Any, params: Any, batch: Batch, norm: dict, teacher: Any = None):
+    def loss(spec: Any, params: Any, batch: Batch, norm: dict, teacher: Any):
         rows = flat_rows(batch)
         mask_BxN = rows["comp_mask"]
         states = group_states(spec, params, batch)
@@ -260,7 +260,7 @@ def opd_objective(cfg: OPDConfig, rollout: RolloutConfig) -> Objective:
             metrics["loss"] = total
         return total, metrics
 
-    return Objective(loss=loss, normalizer=token_normalizer)
+    return Objective(loss=loss, normalizer=token_normalizer, takes_teacher=True)
 
 
 # ---------------------------------------------------------------- logit distillation
@@ -283,7 +283,7 @@ def kd_objective(cfg: KDConfig, rollout: RolloutConfig) -> Objective:
         ce, nll, correct = token_nll(logits[0], targets, cfg.label_smoothing)
         return div, ce, nll, correct.astype(jnp.float32)
 
-    def loss(spec: Any, params: Any, batch: Batch, norm: jax.Array, teacher: Any = None):
+    def loss(spec: Any, params: Any, batch: Batch, norm: jax.Array, teacher: Any):
         head_BxTxD, targets_BxT, mask_BxT = row_head(row_hidden(spec, params, batch), batch)
         with moe.collect():  # the teacher's router statistics are not the student's
             teacher_BxTxD = jax.lax.stop_gradient(
@@ -299,4 +299,4 @@ def kd_objective(cfg: KDConfig, rollout: RolloutConfig) -> Objective:
                    "tokens": mask_BxT.sum()}
         return loss_sum / norm, metrics
 
-    return Objective(loss=loss, normalizer=normalizer)
+    return Objective(loss=loss, normalizer=normalizer, takes_teacher=True)

@@ -165,7 +165,7 @@ def pair_objective(cfg: Any, pair_loss: PairLoss, reference: bool) -> PairObject
         loss_P, reward_Px2, extra = pair_loss(cfg, logp_Px2, len_Px2, ref_Px2)
         return pair_metrics(loss_P, reward_Px2, extra, logp_Px2, pair_mask_P, norm)
 
-    def loss(spec: Any, params: Any, batch: Batch, norm: jax.Array, teacher: Any = None):
+    def loss(spec: Any, params: Any, batch: Batch, norm: jax.Array):
         logp_Px2, len_Px2 = sequence_logps(spec, params, batch)
         ref_Px2 = jax.lax.stop_gradient(batch["ref_logps"]) if reference else None
         loss, metrics = on_logps(logp_Px2, len_Px2, ref_Px2, batch["pair_mask"], norm)

@@ -40,7 +40,7 @@ def objective(cfg: GRPOConfig, rollout: RolloutConfig) -> Objective:
     multi-turn trajectories."""
     temperature = rollout.temperature
 
-    def loss(spec: Any, params: Any, batch: Batch, norm: dict, teacher: Any = None):
+    def loss(spec: Any, params: Any, batch: Batch, norm: dict):
         logp_PxGxN, entropy_PxGxN = group_logprobs(spec, params, batch, temperature)
         rows = flat_rows(batch)
         mask_BxN = rows["comp_mask"]

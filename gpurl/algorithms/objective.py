@@ -9,12 +9,12 @@ import flax.struct
 import jax
 
 Batch = dict[str, jax.Array]
-# (model spec, params, micro_batch, normalizer, teacher) -> (loss, metrics). The loss is
+# (model spec, params, micro_batch, normalizer[, teacher]) -> (loss, metrics). The loss is
 # this micro-batch's share of the global-batch loss, so shares add up across
 # micro-batches; every metric must be additive the same way, but for maxima, whose names
-# end in MAXIMUM (`reduce_micro`). `teacher` is the run's frozen teacher (`Teacher`) for
-# a distillation algorithm, None otherwise.
-LossFn = Callable[[Any, Any, Batch, Any, Any], tuple[jax.Array, dict]]
+# end in MAXIMUM (`reduce_micro`). Only an objective that declares `takes_teacher` (a
+# distillation algorithm's) receives the run's frozen teacher (`Teacher`).
+LossFn = Callable[..., tuple[jax.Array, dict]]
 MAXIMUM = "_max"
 
 
@@ -28,6 +28,14 @@ def reduce_micro(metrics_M: dict[str, jax.Array]) -> dict[str, jax.Array]:
 class Objective:
     loss: LossFn
     normalizer: Callable[[Batch], Any]  # computed once on the global batch
+    takes_teacher: bool = False  # the loss's last argument is the frozen teacher
+
+    def apply(self, spec: Any, params: Any, batch: Batch, norm: Any,
+              teacher: Any = None) -> tuple[jax.Array, dict]:
+        """The loss, given the frozen teacher only when it declares it takes one."""
+        if self.takes_teacher:
+            return self.loss(spec, params, batch, norm, teacher)
+        return self.loss(spec, params, batch, norm)
 
 
 class TeacherModel:

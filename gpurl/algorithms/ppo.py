@@ -179,7 +179,7 @@ def objective(cfg: PPOConfig, rollout: RolloutConfig) -> Objective:
     gradient reaches only its own parameters unless the backbone is shared)."""
     temperature = rollout.temperature
 
-    def loss(spec: ActorCriticSpec, params: Any, batch: Batch, norm: dict, teacher: Any = None):
+    def loss(spec: ActorCriticSpec, params: Any, batch: Batch, norm: dict):
         states = group_states(spec.policy, params["policy"], batch)
         logp_PxGxN, entropy_PxGxN = states_logprobs(
             spec.policy, params["policy"], states, batch, temperature,

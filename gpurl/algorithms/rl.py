@@ -34,8 +34,8 @@ class RLInputs:
     params: Any  # the trained tree
     ref_params: Any  # the frozen reference policy; None without a KL term
     reward_model: Any  # the reward model's parameters; None without one
-    # the rollout batch grouped by prompt (`gpurl.rollout.collect`): prompt_tokens,
-    # prompt_lengths, completions, completion_lengths, comp_mask, sampler_logprobs
+    # the rollout batch's arrays by field (`gpurl.data.rollouts.RolloutBatch.arrays`) and,
+    # packed, the packed layout's (`gpurl.data.packing.gather`)
     batch: Batch
     rewards: jax.Array  # B: the shaped total of the reward functions per row
     carry: dict[str, jax.Array]  # the algorithm's state between steps (PPO: kl_coef)

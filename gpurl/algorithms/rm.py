@@ -59,7 +59,7 @@ def objective(cfg: RewardModelConfig, rollout: RolloutConfig) -> Objective:
     def normalizer(batch: Batch) -> jax.Array:
         return jnp.maximum(batch["pair_mask"].sum(), 1.0)
 
-    def loss(spec: ScalarSpec, params: Any, batch: Batch, norm: jax.Array, teacher: Any = None):
+    def loss(spec: ScalarSpec, params: Any, batch: Batch, norm: jax.Array):
         loss, metrics = bradley_terry(pair_scores(spec, params, batch), batch["pair_mask"], norm)
         metrics["tokens"] = ((batch["prompt_lengths"] * batch["pair_mask"]).sum()
                              + batch["comp_mask"].sum())

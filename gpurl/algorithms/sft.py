@@ -41,7 +41,7 @@ def objective(cfg: SFTConfig, rollout: RolloutConfig) -> Objective:
         ce_BxC, nll_BxC, correct_BxC = token_nll(logits_BxCxV, targets_BxC, cfg.label_smoothing)
         return ce_BxC, nll_BxC, correct_BxC.astype(jnp.float32)
 
-    def loss(spec, params: Any, batch: Batch, norm: jax.Array, teacher: Any = None):
+    def loss(spec, params: Any, batch: Batch, norm: jax.Array):
         head_BxTxD, targets_BxT, mask_BxT = row_head(row_hidden(spec, params, batch), batch)
         # The head runs chunk by chunk: B x T x V logits never exist (`chunked_head`).
         ce_BxT, nll_BxT, correct_BxT = chunked_head(spec.logits, head_params(spec, params),

@@ -7,7 +7,7 @@ On a CPU machine `plan.devices=N` simulates N devices, so the plan of an 8-GPU r
 made on a laptop; the CPU compiler's figures are not a GPU's but of the same order (see
 docs/scaling.md). `plan.target=h100` (with JAX's CUDA plugin installed: the `gpu-plan`
 extra) compiles instead with XLA's GPU compiler for N compile-only H100s
-(`gpurl.distributed.targets`): the programs a GPU would run (cuDNN attention, Triton
+(`gpurl.plan.targets`): the programs a GPU would run (cuDNN attention, Triton
 kernels, bf16), their real GPU memory analysis, and no GPU needed. A preset without
 weights is planned from its architecture alone.
 """
@@ -22,11 +22,11 @@ from typing import Iterator
 import jax
 
 from gpurl.config import Config, ConfigError, PlanConfig
-from gpurl.distributed import runtime, targets
+from gpurl.distributed import runtime
 from gpurl.kernels import platform
 from gpurl.models.loading import PACKAGED
 from gpurl.models.transformer import remat_policy
-from gpurl.plan import efficiency
+from gpurl.plan import efficiency, targets
 from gpurl.train.loop import build
 from gpurl.plan.memory import GIB, ProgramPlan, advice
 from gpurl.train.fitting import fitted

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpurl.buckets import three_bits as bucket  # noqa: F401 - re-exported
+from gpurl.data.rollouts import RolloutBatch
 from gpurl.distributed import host
 from gpurl.kernels.segments import BRANCHES
 
@@ -259,16 +260,16 @@ def plan(prompt_lengths_P: np.ndarray, completion_lengths_PxG: np.ndarray, width
                    completion_width, m, context)
 
 
-def plan_grouped(batch: dict, lengths_PxG1: np.ndarray | None, budget: int, shards: int,
-                 d_model: int, context: int = 1) -> Plan:
-    """`plan` of an RL step's grouped batch (`prompt_tokens` P x W, `completions`
-    P x G x N) from its prompt and completion lengths (P x (1 + G), the same on every
-    process; None: fetched from the batch's arrays), attention weighed for `d_model`."""
+def plan_grouped(batch: RolloutBatch, lengths_PxG1: np.ndarray | None, budget: int,
+                 shards: int, d_model: int, context: int = 1) -> Plan:
+    """`plan` of an RL step's rollout batch from its prompt and completion lengths
+    (P x (1 + G), the same on every process; None: fetched from the batch's arrays),
+    attention weighed for `d_model`."""
     if lengths_PxG1 is None:
-        lengths_PxG1 = host.to_host(jnp.concatenate([batch["prompt_lengths"][:, None],
-                                                     batch["completion_lengths"]], axis=1))
-    return plan(lengths_PxG1[:, 0], lengths_PxG1[:, 1:], batch["prompt_tokens"].shape[1],
-                batch["completions"].shape[2], budget, shards, attention_cost(d_model),
+        lengths_PxG1 = host.to_host(jnp.concatenate([batch.prompt_lengths[:, None],
+                                                     batch.completion_lengths], axis=1))
+    return plan(lengths_PxG1[:, 0], lengths_PxG1[:, 1:], batch.prompt_tokens.shape[1],
+                batch.completions.shape[2], budget, shards, attention_cost(d_model),
                 context=context)
 
 

@@ -22,10 +22,10 @@ import jax
 
 from gpurl.config import MeshConfig
 from gpurl.distributed.mesh import held_bytes, rollout_mesh, tree_shardings
-from gpurl.distributed.targets import DEVICES_PER_HOST  # a replica wider crosses the network
 
 ROOM_TOLERANCE = 0.9  # auto: the narrowest width with this share of the most room
 MAX_CONTEXT = 32  # packed rows of 64 slots split into 2 x 32 chunks
+DEVICES_PER_HOST = 8  # GPUs of a node: a replica (or a compile-only topology) wider crosses the network
 
 
 def widths(devices: int, model: Any) -> list[int]:

@@ -1,7 +1,7 @@
 """Trainer mesh and placement.
 
 Only this package calls `jax.devices()` or builds a `Mesh` (`job_devices()`: JAX's, or the
-compile-only GPUs of `gpurl.distributed.targets` inside `using_devices`). Rules come from
+compile-only GPUs of `gpurl.plan.targets` inside `using_devices`). Rules come from
 `mesh.train_rules`: a logical axis maps to one or more mesh axes
 (`gpurl.models.axes`, which `Rules`, `logical_spec` and `tree_shardings` here re-export).
 """
@@ -127,9 +127,10 @@ def abstract(tree: Any, shardings: Any) -> Any:
                         tree, shardings)
 
 
-def sharded(batch: dict[str, Any], sharding: Any) -> dict[str, jax.ShapeDtypeStruct]:
-    """A batch's shapes and dtypes, every array laid out by `sharding`."""
-    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in batch.items()}
+def sharded(batch: Any, sharding: Any) -> Any:
+    """A batch's shapes and dtypes (a dict or another tree of arrays), every array laid
+    out by `sharding`."""
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding), batch)
 
 
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:

@@ -34,10 +34,10 @@ from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.config import Config
 from gpurl.distributed.mesh import held_bytes
-from gpurl.distributed.targets import Gpu
 from gpurl.models.transformer import STACKS, compute_dtype, remat_policy
 from gpurl.plan.account import Account, Cost, Hints
 from gpurl.plan.programs import Kind
+from gpurl.plan.targets import Gpu
 
 GB = 1e9
 

@@ -20,9 +20,10 @@ from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.buckets import three_bits
 from gpurl.config import Config, ConfigError, PlanConfig
-from gpurl.distributed import host, layout, targets
+from gpurl.distributed import host, layout
 from gpurl.distributed.mesh import held_bytes
 from gpurl.models.transformer import remat_policy
+from gpurl.plan import targets
 from gpurl.plan.programs import Kind, RolloutRound
 
 GIB = 2**30

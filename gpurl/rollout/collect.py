@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from gpurl.config import ConfigError
 from gpurl.data.batching import step_indices
-from gpurl.distributed import host, runtime
+from gpurl.data.rollouts import RolloutBatch
+from gpurl.distributed import host
 from gpurl.rollout.rounds import Round, Rounds, row_seeds
 from gpurl.rollout.prompts import Prompts
 
@@ -94,7 +94,7 @@ def select_groups(informative_P: np.ndarray | None, num_groups: int,
 class Collected:
     """A step's trainer batch and what the step logs about its rollouts."""
 
-    batch: dict[str, jax.Array]  # grouped by prompt, on the trainer mesh
+    batch: RolloutBatch  # grouped by prompt, on the trainer mesh
     rewards: jax.Array  # B: the shaped reward of every batch row, on the trainer mesh
     metrics: dict[str, Any]  # device scalars, host counts and times
     assembled_at: float  # host time when the batch assembly was dispatched
@@ -128,12 +128,6 @@ class Collector:
         self.batch_size, self.seed, self.shaping = batch_size, seed, shaping
         self.drop_equal, self.rounds = drop_equal, rounds
         self.batch_sharding, self.colocated, self.pad_id = batch_sharding, colocated, pad_id
-        rows, count, shards = batch_size * group, runtime.process_count(), source.engine.mesh.shape["data"]
-        if batch_size % count or rows % max(shards, 1):
-            raise ConfigError(
-                f"train.batch_size={batch_size} prompts x algo.num_generations={group} = {rows} "
-                f"rows must split evenly over {count} processes and {shards} rollout data "
-                f"shards; change train.batch_size.")
         self._shape = jax.jit(functools.partial(shaped_rewards, shaping))
         self._spread = jax.jit(lambda r, pos: group_spread(r[pos], group))
         self._stats = jax.jit(self._round_stats)
@@ -156,19 +150,12 @@ class Collector:
         names = " + ".join(summed) or "none"
         return names + (f" (reported: {functions})" if reported else "")
 
-    def spec(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """The global shapes and dtypes of the batch `collect` hands over (`_assemble_fn`
-        builds it): P prompts of width W, G completions of N tokens each."""
-        p, g = self.batch_size, self.group
-        n, w = self.source.width, self.source.prompt_width
-        sds, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
-        spec = {"prompt_tokens": sds((p, w), i32), "prompt_lengths": sds((p,), i32),
-                "completions": sds((p, g, n), i32), "completion_lengths": sds((p, g), i32),
-                "comp_mask": sds((p, g, n), f32), "sampler_logprobs": sds((p, g, n), f32)}
-        replayed = self.source.engine.routes_shape
-        if replayed is not None:  # routing replay: the sampler's experts per token
-            spec["routes"] = sds((p, g, n, *replayed), jnp.int16)
-        return spec
+    def spec(self) -> RolloutBatch:
+        """The global shapes and dtypes of the batch `collect` hands over: batch_size
+        prompts of the rounds' prompt width, G completions of their width each, and the
+        routes of routing replay when the engine records them."""
+        return RolloutBatch.spec(self.batch_size, self.group, self.source.prompt_width,
+                                 self.source.width, self.source.engine.routes_shape)
 
     def to_trainer(self, x: jax.Array | np.ndarray) -> jax.Array:
         """Rollout rows onto the trainer mesh: this process's rows from its host, or a
@@ -301,7 +288,7 @@ class Collector:
         return select_B, np.repeat(np.arange(len(groups)) < num_kept, g)
 
     def _assemble_fn(self, rounds: list[dict], select_B: jax.Array,
-                     keep_B: jax.Array) -> tuple[dict, jax.Array]:
+                     keep_B: jax.Array) -> tuple[RolloutBatch, jax.Array]:
         """Concatenates rounds and keeps rows `select_B` (whole groups, in order), grouped
         by prompt: every array's leading axis is the P prompts, so micro-batches and
         shards split whole groups."""
@@ -314,14 +301,14 @@ class Collector:
         if "model_mask" in rows:  # multi-turn: observation tokens carry no loss
             trained_BxN = trained_BxN & (rows["model_mask"] > 0)
         grouped = lambda x: x.reshape(p, g, *x.shape[1:])  # noqa: E731
-        batch = {"prompt_tokens": rows["prompt_tokens"][::g].astype(jnp.int32),
-                 "prompt_lengths": rows["prompt_lengths"][::g].astype(jnp.int32),
-                 "completions": grouped(jnp.where(real_BxN, comp_BxN, self.pad_id)),
-                 "completion_lengths": grouped(clen_B.astype(jnp.int32)),
-                 "comp_mask": grouped(trained_BxN.astype(jnp.float32)),
-                 "sampler_logprobs": grouped(jnp.where(real_BxN, rows["sampler_logprobs"], 0.0))}
-        if "routes" in rows:  # routing replay: B x N x L x k
-            batch["routes"] = grouped(rows["routes"])
+        batch = RolloutBatch(
+            prompt_tokens=rows["prompt_tokens"][::g].astype(jnp.int32),
+            prompt_lengths=rows["prompt_lengths"][::g].astype(jnp.int32),
+            completions=grouped(jnp.where(real_BxN, comp_BxN, self.pad_id)),
+            completion_lengths=grouped(clen_B.astype(jnp.int32)),
+            comp_mask=grouped(trained_BxN.astype(jnp.float32)),
+            sampler_logprobs=grouped(jnp.where(real_BxN, rows["sampler_logprobs"], 0.0)),
+            routes=grouped(rows["routes"]) if "routes" in rows else None)  # B x N x L x k
         return batch, rows["rewards"]
 
     def _round_stats(self, scores: jax.Array, lengths_B: jax.Array, rewards_B: jax.Array,

@@ -129,6 +129,16 @@ class Rounds:
         prompt holds the trajectory so far."""
         return self.prompt_width + (self.width if self.env else 0)
 
+    def check_rows(self, prompts: int, group: int) -> None:
+        """A step's `prompts` x `group` rows split evenly over the processes and the
+        rollout's data shards, or one sentence naming train.batch_size."""
+        rows, count, shards = prompts * group, runtime.process_count(), self.engine.mesh.shape["data"]
+        if prompts % count or rows % max(shards, 1):
+            raise ConfigError(
+                f"train.batch_size={prompts} prompts x algo.num_generations={group} = {rows} "
+                f"rows must split evenly over {count} processes and {shards} rollout data "
+                f"shards; change train.batch_size.")
+
     def padded_rows(self, rows: int) -> int:
         """This process's rows rounded up to a multiple of its rollout data shards."""
         shards = self.engine.local_shards

@@ -11,7 +11,7 @@ without a CUDA lowering rule (a Pallas op Triton cannot take, a CPU-only custom 
 here, as it would on the first step on a GPU. Compilation is not part of it: XLA's GPU
 compiler needs JAX's CUDA plugin, which CI's install does not have; `gpurl plan
 plan.target=h100` compiles a run's programs for compile-only GPUs where it is installed
-(`gpurl.distributed.targets`, tests/test_gpu_plan.py).
+(`gpurl.plan.targets`, tests/test_gpu_plan.py).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from gpurl.config import (Config, DataConfig, EnvConfig, MeshConfig,
 from gpurl.data.sources import default_rewards, load_prompts
 from gpurl.distributed import layout
 from gpurl.data import packing
+from gpurl.data.rollouts import RolloutBatch
 from gpurl.distributed.mesh import batch_divisor, placement_devices, replicated
 from gpurl.distributed.sync import WeightSync
 from gpurl.plan.memory import device_memory
@@ -83,6 +84,7 @@ class RLStepper(RLPrograms, Stepper):
         self.engine = rollout_engine(spec.policy, setup.tokenizer, rollout, mesh,
                                      placement_devices(mesh)[1], env)
         self.rounds = Rounds(self.engine, setup.tokenizer, self.functions, prompt_width(longest), env)
+        self.rounds.check_rows(train.batch_size, algo.num_generations)
         self.sync = WeightSync(spec.policy_params(place.state.params),
                                self.engine.abstract_params)
         # With a reward model and no reward functions named, the functions (the data's
@@ -127,10 +129,13 @@ class RLStepper(RLPrograms, Stepper):
                 f"{dict(self.engine.mesh.shape)} ({self.layout})")
 
     def _prepare_fn(self, ctx: RLContext, params: Any, ref_params: Any, rm_params: Any,
-                    teacher: Any, batch: dict, rewards_B: jax.Array, carry: dict
-                    ) -> tuple[dict, dict, dict]:
-        if "pack/source" in batch:  # the packed rows' tokens, from the plan's indices
-            batch = packing.gather(batch, self.collector.pad_id)
+                    teacher: Any, rollout: RolloutBatch, packed: dict | None,
+                    rewards_B: jax.Array, carry: dict) -> tuple[dict, dict, dict]:
+        """The trainer batch of a rollout batch (`packed`: the packed layout's arrays,
+        train.packed) through the algorithm's prepare function."""
+        batch = rollout.arrays()
+        if packed is not None:  # the packed rows' tokens, from the plan's indices
+            batch = packing.gather({**batch, **packed}, self.collector.pad_id)
         reference = self.frozen.reference
         ref_params = reference.inside(params, ref_params) if reference is not None else None
         return self.setup.algorithm.prepare(
@@ -142,14 +147,14 @@ class RLStepper(RLPrograms, Stepper):
         if self._timer is not None and got.computed_at is not None:
             self._timer.observe(got.computed_at)  # the previous step's train time ends
         t_sync = got.metrics.pop("time/sync_s")
-        collected, static = got.batch, ()
+        packed, static = None, ()
         if self.train.packed:  # planned from the hosts' lengths: no device is waited for
             plan = self._pack(got.batch, got.lengths())
-            collected = {**got.batch, **packing.put(plan, self.setup.place.batch)}
+            packed = packing.put(plan, self.setup.place.batch)
             static = (plan.num_micro,) if plan.num_micro > 1 else ()  # 1: as planned
         ref, rm, teacher = self.frozen.values()
-        batch, prepared, self.carry = self._prepare(state.params, ref, rm, teacher, collected,
-                                                    got.rewards, self.carry)
+        batch, prepared, self.carry = self._prepare(state.params, ref, rm, teacher, got.batch,
+                                                    packed, got.rewards, self.carry)
         nonfinite = 0.0
         for _ in range(self.algo.num_iterations):
             state, metrics = self.setup.step_fn(state, batch, teacher, *static)  # dispatched, not awaited
@@ -168,7 +173,7 @@ class RLStepper(RLPrograms, Stepper):
             self._timer.exclude(overlapped)
         return state, metrics
 
-    def _pack(self, batch: dict, lengths_PxG1: np.ndarray | None = None) -> packing.Plan:
+    def _pack(self, batch: RolloutBatch, lengths_PxG1: np.ndarray | None = None) -> packing.Plan:
         """The packed layout of a collected batch, the same on every process
         (`packing.plan_grouped`)."""
         return packing.plan_grouped(batch, lengths_PxG1, self.budget, self.shards,

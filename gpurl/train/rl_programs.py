@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from gpurl.data import packing
+from gpurl.data.rollouts import RolloutBatch
 from gpurl.distributed import runtime
 from gpurl.distributed.mesh import abstract, sharded
 from gpurl.plan.programs import Kind, ProgramRecord, RolloutRound
@@ -26,30 +27,29 @@ class RLPrograms:
 
     def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The prepared batch's shapes: the collector's arrays through the prepare step."""
-        return jax.eval_shape(self._prepare, *self._prepare_args(self._collected_spec()))[0]
+        return jax.eval_shape(self._prepare, *self._prepare_args(*self._collected_spec()))[0]
 
-    def _collected_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+    def _collected_spec(self) -> tuple[RolloutBatch, dict | None]:
         """The collector's batch (`Collector.spec`) and, packed, the plan's arrays for a
-        longest prompt and completion (w + n slots)."""
-        spec = self.collector.spec()
-        if self.train.packed:
-            (p, g, n), w = spec["completions"].shape, spec["prompt_tokens"].shape[1]
-            spec.update(packing.planned_spec(p, g, w + n, n, self.budget, self.shards,
-                                             self.context))
-        return spec
+        longest prompt and completion (w + n slots; None: not packed)."""
+        rollout = self.collector.spec()
+        if not self.train.packed:
+            return rollout, None
+        (p, g, n), w = rollout.completions.shape, rollout.prompt_tokens.shape[1]
+        return rollout, packing.planned_spec(p, g, w + n, n, self.budget, self.shards, self.context)
 
-    def _prepare_args(self, collected: dict) -> tuple:
+    def _prepare_args(self, rollout: RolloutBatch, packed: dict | None) -> tuple:
         """The prepare step's arguments, abstract, for a collected batch's shapes."""
         place, rows = self.setup.place, self.train.batch_size * self.algo.num_generations
         return (abstract(place.abstract_state.params, place.state.params), *self.frozen.abstract(),
-                collected, jax.ShapeDtypeStruct((rows,), jnp.float32), self.carry)
+                rollout, packed, jax.ShapeDtypeStruct((rows,), jnp.float32), self.carry)
 
     def programs(self) -> list[ProgramRecord]:
         """The prepare step and the rollout round's prefill and decode chunk."""
-        collected = sharded(self._collected_spec(), self.setup.place.batch)
+        collected = sharded(self._collected_spec(), self.setup.place.batch)  # both parts
         r = self.rollout_round()
         prefill, decode = self.engine.round_programs(r.rows, r.width, r.group)
-        return [ProgramRecord(Kind.PREPARE, self._prepare, self._prepare_args(collected),
+        return [ProgramRecord(Kind.PREPARE, self._prepare, self._prepare_args(*collected),
                               "call (the step's batch)"),
                 ProgramRecord(Kind.PREFILL, *prefill, f"call ({r.rows} requests per process)"),
                 ProgramRecord(Kind.DECODE, *decode, "call (rollout.decode_chunk tokens a row)")]

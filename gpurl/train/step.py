@@ -192,9 +192,9 @@ def accumulate_grads(spec: ModelSpec, objective: Objective, place: Placement, nu
     def unscaled_loss(train_p, micro: Batch):
         full = jax.tree.map(lambda a, b: b if a is None else a, train_p, frozen_p, is_leaf=is_none)
         if not experts.num_experts:
-            return objective.loss(spec, full, micro, norm, teacher)
+            return objective.apply(spec, full, micro, norm, teacher)
         with moe.collect() as found:  # the router terms of the forward passes of this loss
-            loss, metrics = objective.loss(spec, full, micro, norm, teacher)
+            loss, metrics = objective.apply(spec, full, micro, norm, teacher)
         return moe.add_router_terms(loss, metrics, found, experts, 1.0 / num_micro)
 
     def loss_of_trainable(train_p, micro: Batch):
@@ -329,7 +329,7 @@ def make_eval_step(spec: ModelSpec, objective: Objective, place: Placement,
     """Additive eval metrics of one batch, `(params, batch, teacher)` (normalizer 1: the
     caller divides by the total); `teacher_shardings` as in `make_train_step`."""
     def step(params: Params, batch: Batch, teacher: Any) -> dict:
-        _, metrics = objective.loss(spec, params, batch, jnp.float32(1.0), teacher)
+        _, metrics = objective.apply(spec, params, batch, jnp.float32(1.0), teacher)
         return metrics
 
     return jit_rows(step, place, in_shardings=(place.state.params, place.batch,

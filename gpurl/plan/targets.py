@@ -21,15 +21,14 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
-import jax
 from jax.experimental import topologies
 
 from gpurl.config import ConfigError
-from gpurl.distributed import mesh
+from gpurl.distributed import layout, mesh
 
 # JAX's CUDA plugins, newest first: either one carries XLA's GPU compiler.
 PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
-DEVICES_PER_HOST = 8  # a topology of more GPUs is this many per host (an 8-GPU node)
+DEVICES_PER_HOST = layout.DEVICES_PER_HOST  # a topology of more GPUs is this many per host
 
 
 @dataclass(frozen=True)
