@@ -28,7 +28,6 @@ from gpurl.distributed import layout, mesh
 
 # JAX's CUDA plugins, newest first: either one carries XLA's GPU compiler.
 PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
-DEVICES_PER_HOST = layout.DEVICES_PER_HOST  # a topology of more GPUs is this many per host
 
 
 @dataclass(frozen=True)
@@ -122,10 +121,10 @@ def memory_fraction() -> float:
 def topology(count: int) -> str:
     """XLA's CUDA topology string, slices x hosts x devices per host: up to 8 GPUs on one
     host, more as whole 8-GPU hosts."""
-    per_host = min(count, DEVICES_PER_HOST)
+    per_host = min(count, layout.DEVICES_PER_HOST)
     if count % per_host:
         raise ConfigError(f"plan.devices={count} with plan.target is not whole {per_host}-GPU "
-                          f"hosts; use 1 to {DEVICES_PER_HOST} or a multiple of {per_host}.")
+                          f"hosts; use 1 to {layout.DEVICES_PER_HOST} or a multiple of {per_host}.")
     return f"1x{count // per_host}x{per_host}"
 
 

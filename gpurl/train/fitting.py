@@ -22,10 +22,11 @@ from gpurl.distributed import layout, runtime
 from gpurl.distributed.mesh import abstract, batch_divisor, shard_bytes, sharded
 from gpurl.plan.memory import (GIB, ProgramPlan, device_memory, kv_cap, memory_of, on_gpu,
                                plan_rollout, splits_rows)
-from gpurl.plan.programs import Kind
+from gpurl.plan.programs import Kind, RolloutRound
 from gpurl.train.optim import trainable
 from gpurl.train.step import Placement, Program
 from gpurl.train.stepper import Setup, Stepper
+
 
 def plan_train_step(step: Program, place: Placement, batch: dict[str, Any], freeze: tuple,
                     resident: float, limit: float, teacher: Any = None) -> ProgramPlan:
@@ -134,7 +135,7 @@ def memory_plan(cfg: Config, setup: Setup, stepper: Stepper,
     round_ = stepper.rollout_round()
     rollout = None if round_ is None else plan_rollout(round_, limit)
     if rollout is not None and cfg.rollout.kv_cache_tokens == 0:
-        rollout = _fit_pool(stepper, rollout, limit)
+        rollout = _fit_pool(round_, rollout, limit)
     plans = [train] + [p for p in [rollout] if p is not None]
     mesh = setup.place.mesh  # the rollout's resident part is the train state: its mesh
     for p in plans:
@@ -173,7 +174,7 @@ def _micro_tokens(stepper: Stepper) -> int:
     return max(rows // stepper.shards * length // stepper.context, 1)
 
 
-def _fit_pool(stepper: Stepper, plan: ProgramPlan, limit: float) -> ProgramPlan:
+def _fit_pool(round_: RolloutRound, plan: ProgramPlan, limit: float) -> ProgramPlan:
     """rollout.kv_cache_tokens=0 (auto): the pool for every slot's longest request, or,
     when it does not fit beside the rest, the largest cap that does (`kv_cap`; the
     scheduler queues the requests the pool cannot hold), said in the plan's `chosen`."""
@@ -182,9 +183,8 @@ def _fit_pool(stepper: Stepper, plan: ProgramPlan, limit: float) -> ProgramPlan:
     cap = kv_cap(plan, plan.limit - (plan.total - plan.parts["KV cache"]))
     if cap < plan.request_tokens:
         return plan  # not one request: the advice says what else to change
-    round_ = stepper.rollout_round()
     round_.engine.cfg = dataclasses.replace(round_.engine.cfg, kv_cache_tokens=cap)
-    new = plan_rollout(stepper.rollout_round(), limit)
+    new = plan_rollout(round_, limit)
     new.chosen.append(f"rollout.kv_cache_tokens=0 (auto) -> {cap:,} tokens per rollout data "
                       f"shard ({cap // plan.request_tokens} of the longest requests at once; "
                       f"the pool for every slot, {plan.parts['KV cache'] / GIB:.1f} GiB per "
