@@ -41,11 +41,19 @@ def _launch(run_dir: Path, processes: int, args: list[str] = ARGS,
     for i in range(processes):
         if processes > 1:
             extra = [f"distributed.coordinator=127.0.0.1:{port}",
-                     f"distributed.num_processes={processes}", f"distributed.process_id={i}"]
+                     f"distributed.num_processes={processes}", f"distributed.process_id={i}",
+                     *PATIENT]
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "gpurl.cli", "train", *args, f"run.dir={run_dir}", *extra],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
+
+
+# Runs that compare figures wait 120 s for a silent peer, not the default 30 s: CI runs up to
+# nine such processes at once on 2 cores, and one stall past 30 s stopped a run that was
+# healthy (stop 57: every process "stopped sending heartbeats" at the same moment). The test
+# of the timeout itself keeps the default.
+PATIENT = ["distributed.heartbeat_timeout_s=120"]
 
 
 def _compile_env(processes: int) -> dict[str, str]:
@@ -401,7 +409,7 @@ def test_sigterm_to_one_process_saves_one_checkpoint_and_all_exit_0(tmp_path):
                **_compile_env(2))
     args = [a for a in ARGS if not a.startswith(("train.steps=", "train.checkpoint_every=",
                                                  "train.eval_every="))]
-    args += ["train.steps=500", "train.checkpoint_every=0", "train.eval_every=0"]
+    args += ["train.steps=500", "train.checkpoint_every=0", "train.eval_every=0", *PATIENT]
     run = tmp_path / "run"
     procs = [subprocess.Popen(
         [sys.executable, "-m", "gpurl.cli", "train", *args, f"run.dir={run}",
