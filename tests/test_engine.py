@@ -305,3 +305,39 @@ def test_new_weights_enter_between_chunks_and_stale_requests_start_over(gemma2: 
     assert len(fresh) >= 2
     for i in fresh:
         assert _same(got[i], new_done[i]), i
+
+
+@pytest.mark.parametrize("setting", ["greedy", "nucleus"])
+def test_the_prefix_cache_changes_no_token_and_no_logprob(gemma2: Tiny, setting: str) -> None:
+    """With and without the prefix cache (fp32): a group of 6 completions of one prompt
+    through 2 slots (the later ones find the prompt's blocks in the cache), and 3-turn
+    trajectories whose next turns find their sequence so far there, sample the same tokens
+    with log-probs equal to 1e-5, while the cache computes fewer prefill tokens."""
+    reply = list(range(7, 16))
+
+    def run(e: Engine) -> tuple[list[Completion], list[Completion], dict]:
+        group = _generate(e, gemma2, [PROMPTS[1]] * 6, list(range(40, 46)))
+        turns: dict[int, int] = {}
+
+        def resume(i: int, c: Completion) -> Request | None:
+            turns[i] = turns.get(i, 0) + 1
+            if turns[i] == 3:
+                return None
+            r = first[i] if turns[i] == 1 else last[i]
+            last[i] = dataclasses.replace(r, prompt=r.prompt + tuple(c.tokens) + tuple(reply),
+                                          offset=r.offset + len(c.tokens))
+            return last[i]
+
+        first = [e.request(p, s, max_new_tokens=5) for p, s in zip(PROMPTS, SEEDS)]
+        last: dict[int, Request] = {}
+        return group, e.generate(gemma2.params, first, resume=resume), dict(e.stats)
+
+    on, off = engine(gemma2, setting), engine(gemma2, setting, prefix_cache=False)
+    group_on, turns_on, stats_on = run(on)
+    group_off, turns_off, stats_off = run(off)
+    for a, b in zip(group_on + turns_on, group_off + turns_off):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert stats_on["cached_tokens"] > 0 and stats_off["cached_tokens"] == 0
+    assert stats_on["prefill_tokens"] < stats_off["prefill_tokens"]
+    assert stats_on["sequence_tokens"] == stats_off["sequence_tokens"]

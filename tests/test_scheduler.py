@@ -9,6 +9,7 @@ with exactly the tokens of one that ran straight through."""
 from __future__ import annotations
 
 import subprocess
+from typing import Callable, Sequence
 import sys
 
 import numpy as np
@@ -59,29 +60,61 @@ def _token(seed: int, i: int) -> int:
     return int((seed * 7919 + i * 104729) % VOCAB)
 
 
-def _drive(sched: Scheduler, pad: int = 0) -> tuple[list[Completion], int]:
+def _drive(sched: Scheduler, pad: int = 0, versions: dict[int, int] | None = None
+           ) -> tuple[list[Completion], int]:
     """`Engine.generate`'s loop with the device programs replaced by `_token`; checks the
-    pool's reference counts against the requests that hold blocks at every iteration.
+    pool's reference counts against the requests that hold blocks at every iteration, and
+    keeps a stand-in of the device pool (the token and the policy version of every slot) to
+    check that every row reads its own sequence there: a prefill's cached blocks hold the
+    sequence's tokens as the version sampling now computed them, and a decode chunk's rows
+    find their tokens in their blocks. `versions`: iteration -> the version set before it.
     Returns (completions, iterations)."""
     floor, width, blocks = sched.first_needs()
     sched.start(blocks)
-    chunk = sched.limits.decode_chunk
+    chunk, size = sched.limits.decode_chunk, sched.limits.block_size
+    tokens = [np.full(blocks * size, -1) for _ in range(sched.count)]  # the pool stand-in
+    written = [np.full(blocks * size, -1) for _ in range(sched.count)]
     iterations = 0
     while True:
+        if versions and iterations in versions:
+            sched.version = versions[iterations]
         needs = Needs.agree(np.asarray([sched.plan()]))
         iterations += 1
         if needs.blocks:
             sched.grow(needs.blocks)
+        pool_slots = len(sched.shards[0].pool.refs) * size
+        for s in range(sched.count):
+            extra = pool_slots - len(tokens[s])
+            tokens[s] = np.concatenate([tokens[s], np.full(extra, -1)])
+            written[s] = np.concatenate([written[s], np.full(extra, -1)])
         width = max(width, needs.table)
         for shard, admitted in zip(sched.shards, sched.admitted):
-            held = np.zeros_like(shard.pool.refs)
+            pool = shard.pool
+            held = np.zeros_like(pool.refs)
             for live in shard.rows + admitted:
                 np.add.at(held, live.blocks, 1)
-            assert (held == shard.pool.refs).all() and not held[shard.pool.free].any()
+            assert (held == pool.refs).all() and not held[pool.free].any()
+            assert not held[list(pool.idle)].any() and set(pool.idle) <= set(pool.keys)
+            assert not set(pool.idle) & set(pool.free)
+            assert sorted(pool.digests.values()) == sorted(pool.keys)
         if needs.prefill:
             batch = sched.prefill_batch(needs, len(sched.shards[0].pool.refs), pad)
-            s = batch["settings"]
-            tok = np.asarray([_token(int(a), int(b)) for a, b in zip(s.seeds, s.offsets)])
+            for s, rows in enumerate(sched.admitted):
+                for i, live in enumerate(rows):
+                    j, seq, start = batch["src"][s, i], live.sequence, live.start
+                    assert batch["starts"][s, j] == start and batch["lengths"][s, j] == len(seq)
+                    assert batch["tokens"][s, j, :len(seq) - start].tolist() == seq[start:]
+                    cached = batch["cached"][s, j, :start // size]
+                    slots = (cached[:, None] * size + np.arange(size)).reshape(-1)
+                    assert tokens[s][slots].tolist() == seq[:start]
+                    assert (written[s][slots] == sched.version).all()
+                for i, live in enumerate(rows):
+                    dest = batch["dest"][s, i]
+                    put = dest < pool_slots
+                    tokens[s][dest[put]] = np.asarray(live.sequence)[live.start:][put[:live.length - live.start]]
+                    written[s][dest[put]] = sched.version
+            st = batch["settings"]
+            tok = np.asarray([_token(int(a), int(b)) for a, b in zip(st.seeds, st.offsets)])
             shape = (sched.count, needs.rows)
             sched.accept_prefill(tok.reshape(shape), np.zeros(shape), (tok == STOP).reshape(shape))
         if not needs.decoding:
@@ -90,23 +123,34 @@ def _drive(sched: Scheduler, pad: int = 0) -> tuple[list[Completion], int]:
             continue
         n = max(needs.decoding, floor)
         batch = sched.chunk_batch(n, width)
-        s, (_, _, left) = batch["settings"], batch["state"]
+        st, (_, _, left) = batch["settings"], batch["state"]
+        for s, shard in enumerate(sched.shards):
+            for i, live in enumerate(shard.rows):
+                pos = np.arange(live.length)
+                slots = batch["table"][s, i][pos // size] * size + pos % size
+                assert tokens[s][slots].tolist() == live.sequence[:live.length]
         out = np.zeros((sched.count * n, chunk), np.int32)
         emitted = np.zeros(sched.count * n, np.int32)
         stopped = np.zeros(sched.count * n, bool)
         for row, active in enumerate(batch["active"].reshape(-1)):
             while active and emitted[row] < min(chunk, left.reshape(-1)[row]):
-                t = _token(int(s.seeds[row]), int(s.offsets[row]) + int(emitted[row]))
+                t = _token(int(st.seeds[row]), int(st.offsets[row]) + int(emitted[row]))
                 out[row, emitted[row]] = t
                 emitted[row] += 1
                 if t == STOP:
                     stopped[row] = True
                     break
         d = sched.count
+        for s, shard in enumerate(sched.shards):  # the fed tokens' keys and values
+            for i, live in enumerate(shard.rows):
+                fed = [live.tokens[-1], *out[s * n + i, :emitted[s * n + i] - 1]]
+                pos = live.length + np.arange(len(fed))
+                slots = batch["table"][s, i][pos // size] * size + pos % size
+                tokens[s][slots], written[s][slots] = fed, sched.version
         sched.accept_chunk(out.reshape(d, n, -1), np.zeros((d, n, chunk)),
                            emitted.reshape(d, n), stopped.reshape(d, n), None)
     for shard in sched.shards:  # every block is back
-        assert not shard.pool.refs.any() and len(shard.pool.free) == shard.pool.size
+        assert not shard.pool.refs.any() and shard.pool.available == shard.pool.size
     return sched.completions(), iterations
 
 
@@ -174,9 +218,9 @@ def test_a_resumed_request_grows_the_pool_and_continues_its_keys():
 
 
 def test_needs_agree_on_the_largest_shapes_and_the_total_queue():
-    a = Needs(0, 4, 1, 2, 4, 16, 8, 3)
-    b = Needs(12, 8, 0, 0, 0, 0, 0, 5)
-    assert Needs.agree(np.asarray([a, b])) == Needs(12, 8, 1, 2, 4, 16, 8, 8)
+    a = Needs(0, 4, 1, 2, 4, 16, 0, 8, 3)
+    b = Needs(12, 8, 0, 0, 0, 0, 2, 0, 5)
+    assert Needs.agree(np.asarray([a, b])) == Needs(12, 8, 1, 2, 4, 16, 2, 8, 8)
 
 
 def test_a_pool_too_small_for_one_request_is_one_sentence():
@@ -188,3 +232,94 @@ def test_a_pool_too_small_for_one_request_is_one_sentence():
         _drive(sched)
     with pytest.raises(ConfigError, match=r"^a prompt is empty"):
         Scheduler([Request((), 4)], Limits(2, 4, 3), 1, lambda r: 0)
+
+
+def _turns(first: Sequence[Request], turns: int, observation: int
+           ) -> tuple[Callable[[int, Completion], Request | None], dict[int, list[Request]]]:
+    """A multi-turn `resume`: each request goes on for `turns` turns, each next turn's
+    prompt its sequence so far plus `observation` tokens (an environment's reply); and the
+    requests of every turn, by index."""
+    asked = {i: [r] for i, r in enumerate(first)}
+
+    def resume(i: int, c: Completion) -> Request | None:
+        if len(asked[i]) == turns:
+            return None
+        r = asked[i][-1]
+        obs = tuple(range(20 + len(asked[i]), 20 + len(asked[i]) + observation))
+        asked[i].append(Request(r.prompt + tuple(c.tokens) + obs, r.max_new_tokens, seed=r.seed,
+                                offset=r.offset + len(c.tokens)))
+        return asked[i][-1]
+    return resume, asked
+
+
+GROUP = [Request(tuple(range(1, 11)), 5, seed=100 + s) for s in range(4)]  # a group of 4
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_trajectorys_next_turn_prefills_only_its_new_tokens(cache):
+    """Four trajectories of 6 turns: with the prefix cache a turn computes only the tokens
+    after the last full block the previous turn left in the pool (the observation, the
+    completion's last token and less than a block more), and the group's prompt once;
+    without it, every turn its whole sequence. The tokens are the same."""
+    resume, asked = _turns(GROUP, turns=6, observation=7)
+    sched = Scheduler(GROUP, Limits(4, 4, 3, prefix_cache=cache), 1, lambda r: 0, resume)
+    done, _ = _drive(sched)
+    for i, c in enumerate(done):
+        assert len(asked[i]) == 6 and c.tokens.tolist() == _expected(asked[i][-1])
+    sequences = sum(len(r.prompt) for rs in asked.values() for r in rs)
+    stats = sched.stats
+    assert stats["sequence_tokens"] == sequences
+    if cache:
+        # the prompt once, then per turn the observation, the completion's last token (never
+        # fed while decoding) and what it shares a block with (under a block, 4 tokens)
+        assert stats["prefill_tokens"] <= 10 + 4 * 5 * ((7 + 1) + 3)
+        # the rest was found in the cache, but for the group's three other first prompts
+        # (computed once, by the first, in the same prefill)
+        assert stats["cached_tokens"] == sequences - stats["prefill_tokens"] - 3 * 10
+    else:
+        assert stats["prefill_tokens"] == 10 + sequences - 4 * 10  # the prompt once per group
+        assert stats["cached_tokens"] == 0
+
+
+def test_a_block_written_by_one_version_is_never_read_by_the_next():
+    """New weights between turns: the next turn's lookup misses the blocks the old version
+    computed (`_drive` checks that every cached slot a prefill reads was written by the
+    version sampling now), and hits again once the new version has written its own."""
+    resume, asked = _turns(GROUP[:2], turns=4, observation=5)
+    same = Scheduler(GROUP[:2], Limits(2, 4, 3), 1, lambda r: 0, resume)
+    _drive(same)
+    assert same.stats["cached_tokens"] > 0
+    resume, asked = _turns(GROUP[:2], turns=4, observation=5)
+    moved = Scheduler(GROUP[:2], Limits(2, 4, 3), 1, lambda r: 0, resume)
+    done, _ = _drive(moved, versions={3: 1, 7: 2})
+    for i, c in enumerate(done):
+        assert c.tokens.tolist() == _expected(asked[i][-1])
+    assert 0 < moved.stats["cached_tokens"] < same.stats["cached_tokens"]
+
+
+def test_eviction_under_a_small_pool_keeps_every_running_requests_blocks():
+    """Distinct prompts through a pool capped at 12 blocks: remembered blocks are handed
+    out again (evicted, least recently used first) and rows are preempted, but no running
+    row's block is ever overwritten (`_drive` reads every row's tokens back each chunk)."""
+    requests = [Request(tuple(range(k, k + 9)), 7, seed=k) for k in range(1, 13)]
+    resume, asked = _turns(requests, turns=2, observation=3)
+    sched = Scheduler(requests, Limits(3, 4, 3, kv_cache_tokens=44), 1, lambda r: 0, resume)
+    done, _ = _drive(sched)
+    for i, c in enumerate(done):
+        assert c.tokens.tolist() == _expected(asked[i][-1])
+    assert sched.stats["evicted"] > 0 and sched.stats["cached_tokens"] > 0
+
+
+def test_the_blocks_a_flush_lets_go_are_forgotten():
+    """A checkpoint's flush forgets the cache: the rows readmitted compute their sequences
+    again, as a run resumed from that checkpoint (with an empty cache) does."""
+    sched = Scheduler(GROUP, Limits(4, 4, 3), 1, lambda r: 0)
+    sched.start(sched.first_needs()[2])
+    sched.plan()
+    sched.accept_prefill(*(np.full((1, 4), x) for x in (7, 0.0, False)))
+    assert len(sched.shards[0].pool.keys) == 2  # the prompt's two full blocks
+    sched.flush()
+    pool = sched.shards[0].pool
+    assert not pool.keys and not pool.idle and pool.available == pool.size
+    sched.plan()
+    assert [x.start for x in sched.admitted[0]] == [0] * 4

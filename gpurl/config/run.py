@@ -138,6 +138,11 @@ class RolloutConfig:
     # prompt or multi-turn trajectory runs in chunks of this many, each attending to the keys
     # and values of those before it, so no activation spans the whole sequence
     prefill_chunk: int = 4096
+    # keep full KV blocks after their requests finish, keyed by their tokens and the policy
+    # version that computed them: a later request with the same prefix (a group's other
+    # completions, a multi-turn trajectory's next turn, a preempted request) computes only
+    # the rest (docs/environments.md, docs/distributed.md: prefix cache)
+    prefix_cache: bool = True
     # sync: each step samples, then trains; one_ahead: step s+1's first round is sampled while
     # step s trains (split placement); continuous: the engine never stops, new weights enter
     # between decode chunks and each step trains the first groups that finish (split

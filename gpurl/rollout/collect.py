@@ -226,7 +226,8 @@ class Collector:
             # that gave their KV blocks back to the pool (recomputed when readmitted)
             "rollout/slot_use": (sum(r.counts["live_row_steps"] for r in rounds)
                                  / max(sum(r.counts["row_steps"] for r in rounds), 1)),
-            "rollout/preempted": float(sum(r.counts["preempted"] for r in rounds))})
+            "rollout/preempted": float(sum(r.counts["preempted"] for r in rounds)),
+            **self._prefix_cache(rounds)})
         if self.count_errors:
             metrics["reward/errors"] = sum(self._errors(r.scores, r.row_ids) for r in rounds)
         if rounds[0].env is not None:  # multi-turn: the unfiltered round 0's trajectories
@@ -234,6 +235,19 @@ class Collector:
                                            rounds[0].lengths, jnp.asarray(rounds[0].positions)))
         return Collected(batch, rewards_B, metrics, assembled_at, lag,
                          functools.partial(self._lengths, rounds, select_B))
+
+    @staticmethod
+    def _prefix_cache(rounds: list[Round]) -> dict[str, float]:
+        """The rounds' prefix-cache figures over every process (one host gather): tokens
+        the prefills computed, tokens of the sequences admitted (prompts, and each
+        multi-turn trajectory's sequence at every turn), the share of those found in the
+        cache, and blocks the cache gave up under pool pressure."""
+        keys = ("prefill_tokens", "sequence_tokens", "cached_tokens", "evicted")
+        total = host.gather([sum(r.counts.get(k, 0) for r in rounds) for k in keys]).sum(axis=0)
+        prefill, sequence, cached, evicted = (float(x) for x in total)
+        return {"rollout/prefill_tokens": prefill, "rollout/sequence_tokens": sequence,
+                "rollout/prefix_hit_rate": cached / max(sequence, 1.0),
+                "rollout/evicted_blocks": evicted}
 
     def _lengths(self, rounds: list[Round], select_B: np.ndarray) -> np.ndarray:
         """P x (1 + G) prompt and completion lengths of the batch's rows `select_B` (device

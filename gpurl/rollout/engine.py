@@ -21,7 +21,11 @@ decode chunk costs one network round trip besides its device work.
 The KV cache is a pool of blocks of `rollout.block_size` tokens per shard
 (`gpurl.kernels.paged_attention`): a request holds blocks only for the tokens it has
 (allocated a chunk ahead), the G completions of one prompt share the prompt's full
-blocks, and a finished request's blocks return to the pool at once. The pool is sized
+blocks, and a finished request's blocks return to the pool at once; with the prefix cache
+(`rollout.prefix_cache`) its full blocks stay remembered there, keyed by their tokens and
+the policy version that computed them, until the pool needs them, and a later request with
+the same prefix (the group's other completions, a multi-turn trajectory's next turn)
+prefills only the tokens after it. The pool is sized
 for the call's requests at their own limits, capped by `rollout.kv_cache_tokens`; when
 the cap is reached the most recently admitted request gives its blocks back and is
 admitted again later with its tokens so far (recomputed by a prefill), as vLLM does. A
@@ -99,7 +103,7 @@ class Engine(Programs):
         """The plain-Python scheduler of a generation on this process's shards."""
         cfg = self.cfg
         return Scheduler(requests, Limits(cfg.slots, cfg.block_size, cfg.decode_chunk,
-                                          cfg.kv_cache_tokens),
+                                          cfg.kv_cache_tokens, cfg.prefix_cache),
                          self.local_shards, self.stop_set, resume, prefill_width, self.routes_shape)
 
 
@@ -211,7 +215,8 @@ class Stream:
 
     def _rows(self, local: np.ndarray) -> jax.Array:
         """Shards x rows x ... of this process -> the global row-sharded array."""
-        return host.to_device(local.reshape(-1, *local.shape[2:]), self.engine.rows)
+        return host.to_device(local.reshape(local.shape[0] * local.shape[1], *local.shape[2:]),
+                              self.engine.rows)
 
     def _prefill(self, needs: Needs) -> None:
         engine, sched = self.engine, self.sched
@@ -219,7 +224,8 @@ class Stream:
         settings = batch["settings"]
         k, v = self.pool
         args = (self._placed, k, v,
-                *(self._rows(batch[x]) for x in ("tokens", "lengths", "dest", "src")),
+                *(self._rows(batch[x]) for x in ("tokens", "starts", "lengths", "cached", "dest",
+                                                 "src")),
                 *(host.to_device(x, engine.rows) for x in settings.arrays()), engine.stops())
         t0 = time.perf_counter()
         k, v, tok_B, lp_B, stop_B = engine.run(engine.prefill,

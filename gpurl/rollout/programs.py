@@ -4,7 +4,8 @@ programs on fixed shapes (`Programs`):
 
 - `prefill`: the prompts of newly admitted requests, batched (each distinct sequence once:
   the G completions of a prompt share it), written into the KV pool; the first token
-  sampled.
+  sampled. A sequence whose first blocks the prefix cache holds computes only the tokens
+  after them, attending to those blocks' keys and values read from the pool.
 - `chunk`: up to `rollout.decode_chunk` decode steps of every live row. It returns early
   once enough rows finished for the host to refill their slots (`take` rows are queued),
   or once every shard has at most half its rows left (`halve`), so the next chunk can run
@@ -202,8 +203,8 @@ class Programs(RolloutModel):
 
         p, a, c = self.round_rows(rows, group)
         w = prompt_width(width)
-        prefill_args = (params, pool, pool, rows_of(p, w), rows_of(p), rows_of(a, w), rows_of(a),
-                        *settings(a), stops)
+        prefill_args = (params, pool, pool, rows_of(p, w), rows_of(p), rows_of(p), rows_of(p, 0),
+                        rows_of(a, w), rows_of(a), *settings(a), stops)
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         chunk_args = (params, pool, pool, rows_of(c, bucket(blocks)), *(rows_of(c) for _ in range(3)),
                       rows_of(c, dt=jnp.bool_), *settings(c), stops, scalar, scalar)
@@ -244,15 +245,18 @@ class Programs(RolloutModel):
 
     # --------------------------------------------------------------- programs
 
-    def _prefill_fn(self, static, params, k_pool, v_pool, tokens_BxW, lengths_B, dest_BxW,
-                    src_B, seeds_B, offsets_B, temperature_B, top_k_B, top_p_B, stop_set_B,
-                    stop_table):
+    def _prefill_fn(self, static, params, k_pool, v_pool, tokens_BxW, starts_B, lengths_B,
+                    cached_BxC, dest_BxW, src_B, seeds_B, offsets_B, temperature_B, top_k_B,
+                    top_p_B, stop_set_B, stop_table):
+        """Tokens `starts_B` to `lengths_B` of each distinct sequence (`tokens_BxW`, padded),
+        after its `starts_B / block` cached blocks (`cached_BxC`); an admitted row's keys and
+        values go to the pool slots `dest_BxW` and it samples from sequence `src_B`."""
         sampled, truncate = static
         a = self.shards
         b, w = tokens_BxW.shape
-        if w > self.cfg.prefill_chunk:
-            last_BxD, k_LxBxWxKxE, v_LxBxWxKxE = self._chunked_prompts(params, tokens_BxW,
-                                                                      lengths_B)
+        if w > self.cfg.prefill_chunk or cached_BxC.shape[1]:
+            last_BxD, k_LxBxWxKxE, v_LxBxWxKxE = self._chunked_prompts(
+                params, tokens_BxW, starts_B, lengths_B, self._cached_kv(k_pool, v_pool, cached_BxC))
         else:
             positions_BxW = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
             segments_BxW = (positions_BxW < lengths_B[:, None]).astype(jnp.int32)
@@ -283,19 +287,47 @@ class Programs(RolloutModel):
         return k_pool, v_pool, tok_B, lp_B, stop_table[stop_set_B, tok_B]
 
 
-    def _chunked_prompts(self, params: Params, tokens_BxW: jax.Array, lengths_B: jax.Array
+    def _cached_kv(self, k_pool: jax.Array, v_pool: jax.Array, cached_BxC: jax.Array
+                   ) -> tuple[jax.Array, jax.Array] | None:
+        """Every layer's keys and values in the cached blocks `cached_BxC` of each row, L x B
+        x (C x block) x K x E, read from its shard's pool; None when no row has any."""
+        a, c = self.shards, cached_BxC.shape[1]
+        if not c:
+            return None
+
+        def read(pool_AxLxYxUxKxE):
+            rows_AxLxPxCxUxKxE = jax.vmap(lambda pool, ids: pool[:, ids])(
+                pool_AxLxYxUxKxE, _shards_first(cached_BxC, a))
+            x = jnp.swapaxes(rows_AxLxPxCxUxKxE, 0, 1)
+            return x.reshape(x.shape[0], -1, c * self.block, *x.shape[-2:])
+
+        return read(k_pool), read(v_pool)
+
+    def _chunked_prompts(self, params: Params, tokens_BxW: jax.Array, starts_B: jax.Array,
+                         lengths_B: jax.Array, cached: tuple[jax.Array, jax.Array] | None
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(final-norm hidden state of each prompt's last token, every layer's keys and
-        values of the prompts, L x B x W x K x E): the prompts run `rollout.prefill_chunk`
-        tokens at a time, each chunk appended to a cache of the prompts' keys and values and
-        attending to it (causal by position; sliding windows by position too), so no
-        activation spans more than a chunk of a prompt; the keys and values span it all, as
-        the pool they are written to does. A chunk's queries read all W slots, the later
-        ones empty and masked: about twice a causal prefill's attention work, none of its
-        matmuls'."""
+        values of the W tokens computed, L x B x W x K x E): the tokens from `starts_B` on
+        run `rollout.prefill_chunk` at a time, each chunk appended to a cache of the
+        sequences' keys and values and attending to it (causal by position; sliding
+        windows by position too), so no activation spans more than a chunk of a prompt;
+        the keys and values span it all, as the pool they are written to does. `cached`:
+        the keys and values of each sequence's tokens before `starts_B` (L x B x S x K x E,
+        from the prefix cache), which the cache starts with. A chunk's queries read all
+        slots, the later ones empty and masked: about twice a causal prefill's attention
+        work, none of its matmuls'."""
         b, w = tokens_BxW.shape
-        t = self.cfg.prefill_chunk
-        cache = init_cache(self.spec.cfg, b, w)
+        t = min(self.cfg.prefill_chunk, w)
+        s = 0 if cached is None else cached[0].shape[2]
+        cache = init_cache(self.spec.cfg, b, s + w)
+        if cached is not None:
+            slots_S = jnp.arange(s, dtype=jnp.int32)
+            cache = cache.replace(
+                k=cache.k.at[:, :, :s].set(cached[0]), v=cache.v.at[:, :, :s].set(cached[1]),
+                positions=cache.positions.at[:, :s].set(slots_S),
+                segments=cache.segments.at[:, :s].set(
+                    (slots_S < starts_B[:, None]).astype(jnp.int32)),
+                index=jnp.int32(s))
         kv_spec = P(None, "data", None, "tp", None)  # rows as the tokens, heads as the pool
         cache = cache.replace(
             k=jax.lax.with_sharding_constraint(cache.k, NamedSharding(self.mesh, kv_spec)),
@@ -304,18 +336,18 @@ class Programs(RolloutModel):
 
         def chunk(cache, xs):
             tokens_BxT, start = xs
-            positions_BxT = jnp.broadcast_to(start + offsets_T, (b, t))
+            positions_BxT = starts_B[:, None] + start + offsets_T
             segments_BxT = (positions_BxT < lengths_B[:, None]).astype(jnp.int32)
             hidden_BxTxD, cache = self.spec.hidden(params, tokens_BxT, positions_BxT,
                                                    segments_BxT, cache)
-            at_B = jnp.clip(lengths_B - 1 - start, 0, t - 1)  # the last token, if here
+            at_B = jnp.clip(lengths_B - 1 - starts_B - start, 0, t - 1)  # the last token, if here
             return cache, jnp.take_along_axis(hidden_BxTxD, at_B[:, None, None], axis=1)[:, 0]
 
         tokens_NxBxT = jnp.swapaxes(tokens_BxW.reshape(b, w // t, t), 0, 1)
         starts_N = jnp.arange(w // t, dtype=jnp.int32) * t
         cache, here_NxBxD = jax.lax.scan(chunk, cache, (tokens_NxBxT, starts_N))
-        last_BxD = here_NxBxD[(lengths_B - 1) // t, jnp.arange(b)]
-        return last_BxD, cache.k, cache.v
+        last_BxD = here_NxBxD[(lengths_B - 1 - starts_B) // t, jnp.arange(b)]
+        return last_BxD, cache.k[:, :, s:], cache.v[:, :, s:]
 
     def _chunk_fn(self, static, params, k_pool, v_pool, table_BxI, last_B, lengths_B,
                   left_B, active_B, seeds_B, drawn_B, temperature_B, top_k_B,

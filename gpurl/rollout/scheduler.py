@@ -18,6 +18,15 @@ queue, and a `BlockPool` says which KV blocks are free. Every scheduling iterati
 A request that finishes returns its blocks at once; `resume` may queue a follow-up in its
 place (a multi-turn environment's next turn), and the pool then grows for the longer
 sequences at the next `plan`.
+
+With the prefix cache (`Limits.prefix_cache`, `rollout.prefix_cache`), a request's full
+blocks stay remembered after it lets them go (finished, preempted, flushed), keyed by their
+tokens and the policy version that computed them (`BlockPool.remember`): a request admitted
+later whose sequence starts with them (the group's other completions, the next turn of a
+multi-turn trajectory, a preempted request readmitted) holds them again and its prefill
+computes only the rest (`Live.start`). Only blocks whose keys and values one version wrote
+are remembered, under that version, and a request looks up only its own version's, so new
+weights never read what old ones computed.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ class Limits:
     block_size: int  # tokens per KV block
     decode_chunk: int  # decode steps per device call
     kv_cache_tokens: int = 0  # pool cap per shard (0 = sized for the requests)
+    prefix_cache: bool = True  # remember full blocks for later requests with the same prefix
 
 
 @dataclass
@@ -61,6 +71,9 @@ class Live:
     length: int = 0  # tokens in the pool (the next token's position)
     admitted: int = -1  # admission order (the newest gives its blocks back first)
     stopped: bool = False
+    start: int = 0  # tokens of the sequence found in the prefix cache at admission
+    written: int = -1  # the policy version that computed the pool's keys and values of it
+    clean: int = 0  # its tokens in the pool that version `written` computed (a prefix)
 
     @property
     def sequence(self) -> list[int]:
@@ -74,12 +87,16 @@ class Live:
 class Shard:
     """Host state of one data shard: queued and decoding requests, its block pool."""
 
-    def __init__(self, blocks: int):
+    def __init__(self, blocks: int, block_size: int = 1, cache: bool = False):
         self.queue: deque[Live] = deque()
         self.rows: list[Live] = []
-        self.pool = BlockPool(blocks)
+        self.pool = BlockPool(blocks, block_size, cache)
 
     def release(self, live: Live) -> None:
+        """The request gives its blocks back; those its version computed stay remembered."""
+        if live.written >= 0:
+            self.pool.remember(live.blocks, live.sequence, live.written,
+                               min(live.clean, live.length) // self.pool.block_size)
         self.pool.release(live.blocks)
         live.blocks = []
 
@@ -93,7 +110,8 @@ class Needs(NamedTuple):
     prefill: int  # 1 when a shard admitted requests
     prompts: int  # distinct prompts per shard the prefill computes (bucketed)
     rows: int  # admitted rows per shard (bucketed)
-    width: int  # the prefill's prompt width (bucketed)
+    width: int  # the prefill's width: tokens it computes per prompt (bucketed)
+    cached: int  # the prefill's prefix-cache blocks per prompt (bucketed; 0: none)
     decoding: int  # rows per shard the decode chunk steps (bucketed; 0: none)
     queued: int  # requests waiting
 
@@ -155,7 +173,11 @@ class Scheduler:
         self.version = 0  # the policy version of the tokens sampled next
         self.clock = 0  # admissions so far
         self.grown = False  # a resumed request was queued since the last `plan`
-        self.stats = {"preempted": 0, "live_row_steps": 0}
+        # prefill_tokens: tokens prefills computed; sequence_tokens: tokens of the sequences
+        # admitted (what prefills without any sharing would compute); cached_tokens: those
+        # found in the prefix cache
+        self.stats = {"preempted": 0, "live_row_steps": 0, "prefill_tokens": 0,
+                      "sequence_tokens": 0, "cached_tokens": 0, "evicted": 0}
 
     # ------------------------------------------------------------------ the call
 
@@ -173,7 +195,8 @@ class Scheduler:
 
     def start(self, blocks: int) -> None:
         """Queues the requests on the shards, each with a pool of `blocks` blocks."""
-        self.shards = [Shard(blocks) for _ in range(self.count)]
+        lim = self.limits
+        self.shards = [Shard(blocks, lim.block_size, lim.prefix_cache) for _ in range(self.count)]
         per = self._per_shard()
         for i, live in enumerate(self.lives):
             self.shards[i // per].queue.append(live)
@@ -222,13 +245,15 @@ class Scheduler:
 
     def flush(self) -> None:
         """Every decoding request gives its blocks back and waits at the head of its queue
-        (the oldest admitted first), its tokens kept: readmitted, its sequence is
-        recomputed by a prefill. A checkpoint's state is then the queues alone."""
+        (the oldest admitted first), its tokens kept, and the prefix cache forgets every
+        block: readmitted, its sequence is recomputed by a prefill. A checkpoint's state
+        is then the queues alone, and a run resumed from it computes what this one does."""
         for shard in self.shards:
             for live in sorted(shard.rows, key=lambda x: x.admitted, reverse=True):
                 shard.rows.remove(live)
                 shard.release(live)
                 shard.queue.appendleft(live)
+            shard.pool.forget()
 
     def snapshot(self) -> dict:
         """The flushed scheduler as plain data (`load` rebuilds it)."""
@@ -270,48 +295,60 @@ class Scheduler:
         for shard in self.shards:
             self._reserve(shard)
         self.admitted = [self._admit(s) for s in self.shards]
-        prompts = rows = width = 0
+        for shard in self.shards:
+            self.stats["evicted"] += shard.pool.evicted
+            shard.pool.evicted = 0
+        prompts = rows = width = cached = 0
         if any(self.admitted):
             prompts = bucket(max(len(_unique(a)[0]) for a in self.admitted), MIN_ROWS)
             rows = bucket(max(len(a) for a in self.admitted), MIN_ROWS)
-            longest = max(len(x.sequence) for a in self.admitted for x in a)
-            width = bucket(max(longest, self.prefill_width), MIN_PROMPT_BUCKET)
+            longest = max(len(x.sequence) - x.start for a in self.admitted for x in a)
+            reused = max(x.start for a in self.admitted for x in a) // self.limits.block_size
+            # a prefill from the start pads to the run's prompt width (one shape per run)
+            width = bucket(max(longest, 0 if reused else self.prefill_width), MIN_PROMPT_BUCKET)
+            cached = bucket(reused) if reused else 0
         # rows of the next decode chunk: those decoding and the admitted ones that will
         # not have finished at their first token (unless it is a stop token)
         decoding = max(len(s.rows) + sum(x.left > 1 for x in a)
                        for s, a in zip(self.shards, self.admitted))
-        return Needs(blocks, table, int(any(self.admitted)), prompts, rows, width,
+        return Needs(blocks, table, int(any(self.admitted)), prompts, rows, width, cached,
                      bucket(decoding) if decoding else 0, sum(len(s.queue) for s in self.shards))
 
     # ----------------------------------------------------------------- prefill
 
     def prefill_batch(self, needs: Needs, pool_blocks: int, pad_id: int) -> dict[str, np.ndarray]:
         """The prefill's host arrays (shards x rows ...) for this iteration's admissions
-        at the agreed shapes: prompt tokens and lengths of each distinct sequence, where
-        each admitted row's tokens go in the pool (out of range: not written), which
-        distinct sequence it samples from, and its sampling settings."""
-        d, p, a, w = self.count, needs.prompts, needs.rows, needs.width
+        at the agreed shapes: of each distinct sequence, the tokens it computes (those after
+        its cached prefix), where they start, its length and its cached blocks; of each
+        admitted row, where its computed tokens go in the pool (out of range: not written),
+        which distinct sequence it samples from, and its sampling settings."""
+        d, p, a, w, c = self.count, needs.prompts, needs.rows, needs.width, needs.cached
         block = self.limits.block_size
         drop = pool_blocks * block  # a slot past the pool: the write is dropped
         out = {"tokens": np.full((d, p, w), pad_id, np.int32),
-               "lengths": np.ones((d, p), np.int32),
+               "starts": np.zeros((d, p), np.int32), "lengths": np.ones((d, p), np.int32),
+               "cached": np.zeros((d, p, c), np.int32),
                "dest": np.full((d, a, w), drop, np.int32), "src": np.zeros((d, a), np.int32)}
         settings = Settings(d * a)
         for s, rows in enumerate(self.admitted):
             firsts, owner = _unique(rows)
             for j, live in enumerate(firsts):
                 seq = live.sequence
-                out["tokens"][s, j, :len(seq)] = seq
-                out["lengths"][s, j] = len(seq)
+                out["tokens"][s, j, :len(seq) - live.start] = seq[live.start:]
+                out["starts"][s, j], out["lengths"][s, j] = live.start, len(seq)
+                out["cached"][s, j, :live.start // block] = live.blocks[:live.start // block]
+                self.stats["prefill_tokens"] += len(seq) - live.start
             for i, live in enumerate(rows):
-                pos = np.arange(live.length)
+                pos = np.arange(live.start, live.length)
                 slots = np.asarray(live.blocks)[pos // block] * block + pos % block
                 # a shared prompt's full blocks are written by its first row alone
                 first = firsts[owner[i]] is live
                 write = pos >= (0 if first else live.length // block * block)
-                out["dest"][s, i, :live.length] = np.where(write, slots, drop)
+                out["dest"][s, i, :len(pos)] = np.where(write, slots, drop)
                 out["src"][s, i] = owner[i]
                 settings.set(s * a + i, live, self.stop_set(live.request))
+                self.stats["sequence_tokens"] += live.length
+                self.stats["cached_tokens"] += live.start
         out["settings"] = settings
         return out
 
@@ -319,6 +356,9 @@ class Scheduler:
         """The first token of each admitted row (shards x rows): it decodes on, or is done."""
         for s, (shard, rows) in enumerate(zip(self.shards, self.admitted)):
             for i, live in enumerate(rows):
+                live.written, live.clean = self.version, live.length
+                shard.pool.remember(live.blocks, live.sequence, self.version,
+                                    live.length // self.limits.block_size)
                 live.tokens.append(int(tok[s, i]))
                 live.logprobs.append(float(lp[s, i]))
                 live.versions.append(self.version)
@@ -364,6 +404,8 @@ class Scheduler:
                 live.tokens += out[s, i, :e].tolist()
                 live.logprobs += lp[s, i, :e].tolist()
                 live.versions += [self.version] * e
+                if live.written == self.version and live.clean == live.length:
+                    live.clean += e  # this chunk's keys and values: the same version's
                 live.length += e
                 if stopped[s, i] or live.left == 0:
                     live.stopped = bool(stopped[s, i])
@@ -390,19 +432,26 @@ class Scheduler:
         return pool_blocks(blocks_needed(sizes, lim.slots), lim.block_size, lim.kv_cache_tokens)
 
     def _admit(self, shard: Shard) -> list[Live]:
-        """Requests of the shard's queue that get a slot and their prompt blocks now; the
-        full blocks of identical prompts admitted together are shared."""
+        """Requests of the shard's queue that get a slot and their prompt blocks now: the
+        longest prefix the cache remembers from this version is held again, not computed;
+        the full blocks of identical sequences admitted together are shared (computed
+        once, by the first)."""
         lim = self.limits
         admitted, shared = [], {}
         while shard.queue and len(shard.rows) + len(admitted) < lim.slots:
             live = shard.queue[0]
             seq = tuple(live.sequence)
             full = len(seq) // lim.block_size
-            reuse = shared.get(seq)
+            if seq in shared:
+                held, start = shared[seq]
+            else:  # the last token is always computed: its logits sample the first new one
+                held = shard.pool.lookup(seq, self.version, (len(seq) - 1) // lim.block_size)
+                start = len(held) * lim.block_size
+            shard.pool.share(held)
             own = request_blocks(len(seq) + min(lim.decode_chunk, live.left), lim.block_size)
-            own -= full if reuse is not None else 0
-            blocks = shard.pool.take(own)
+            blocks = shard.pool.take(own - len(held))
             if blocks is None:
+                shard.pool.release(held)
                 if not shard.rows and not admitted:
                     raise ConfigError(
                         f"the KV cache ({shard.pool.size} blocks of {lim.block_size} tokens "
@@ -411,12 +460,10 @@ class Scheduler:
                         f"requests) or lower rollout.decode_chunk.")
                 break
             shard.queue.popleft()
-            if reuse is not None:
-                shard.pool.share(reuse)
-                blocks = list(reuse) + blocks
-            else:
-                shared[seq] = blocks[:full]
+            blocks = list(held) + blocks
+            shared.setdefault(seq, (blocks[:full], start))
             live.blocks, live.length, live.admitted = blocks, len(seq), self.clock
+            live.start, live.written, live.clean = start, -1, 0
             self.clock += 1
             admitted.append(live)
         return admitted
