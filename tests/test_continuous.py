@@ -145,3 +145,25 @@ def test_continuous_mode_needs_split_placement_and_a_lag(tmp_path):
     with pytest.raises(ConfigError, match=r"^rollout.mode=continuous needs mesh.placement=split "
                                           r".*\(rollout.mode=one_ahead\)\.$"):
         build(cfg)
+
+
+@pytest.mark.e2e
+def test_dynamic_sampling_replaces_uninformative_groups_from_the_stream(tmp_path):
+    """Continuous rollouts with dynamic sampling: addition prompts score 1.0 on every
+    completion (no signal), so their groups are dropped and the step streams on, scoring
+    more rounds, until 4 informative groups are kept; no token trained is older than the
+    bound, and the dropped groups' prompts are replaced by new draws from the data."""
+    import dataclasses
+
+    from conftest import with_rewards
+
+    cfg = _config(tmp_path, max_lag=2, swap_chunks=1, in_flight=2)
+    cfg = with_rewards(dataclasses.replace(cfg, algo=dataclasses.replace(
+        cfg.algo, dynamic_sampling=True, max_refills=4)), "test_grpo:constant_on_addition")
+    metrics, scored, _ = _run(cfg, 4)
+    assert all(m["groups/kept"] == 4 and m["reward/batch_mean"] < 1.0 for m in metrics)
+    refilled = [m for m in metrics if m["rollout/rounds"] > 1]
+    assert refilled and all(m["groups/all_equal"] > 0 for m in refilled)
+    assert len(scored) == sum(m["rollout/rounds"] for m in metrics)  # a round per score
+    assert all(m["off_policy/lag_max"] <= 2 for m in metrics)
+    assert any(m["off_policy/lag_max"] > 0 for m in metrics)

@@ -160,25 +160,34 @@ CONTINUOUS = GRPO + ["mesh.placement=split", "mesh.rollout_devices=1", "rollout.
                      "rollout.decode_chunk=2"]
 
 
-def test_continuous_kill_and_resume_equal_an_uninterrupted_run(tmp_path):
+# ... and with dynamic sampling: addition prompts give every completion 1.0 (dropped groups)
+DYNAMIC = ([a for a in CONTINUOUS if not a.startswith("rewards=")]
+           + ["algo.dynamic_sampling=true", "algo.max_refills=3",
+              "rewards=[test_grpo:constant_on_addition]"])
+
+
+@pytest.mark.parametrize("args", [CONTINUOUS, DYNAMIC], ids=["continuous", "dynamic_sampling"])
+def test_continuous_kill_and_resume_equal_an_uninterrupted_run(tmp_path, args):
     """Continuous mode killed (SIGKILL) after its first checkpoint: the checkpoint holds the
     requests in flight (tokens, versions, sampling offsets), the groups and their order,
-    so the rerun samples, trains and logs exactly what the uninterrupted run does."""
+    so the rerun samples, trains and logs exactly what the uninterrupted run does; with
+    dynamic sampling too (a step's refill rounds end within it)."""
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    uninterrupted = _start(CONTINUOUS, straight)
-    proc = _start(CONTINUOUS, crashed)
+    uninterrupted = _start(args, straight)
+    proc = _start(args, crashed)
     _wait(proc, lambda: (crashed / "checkpoints" / "2").is_dir(), "checkpoint 2")
     proc.kill()
     proc.communicate(timeout=60)
     saved = max(_finished(crashed))
     assert saved < GRPO_STEPS
-    _rerun(CONTINUOUS, crashed, resumed_at=saved)
-    _run_through(CONTINUOUS, straight, uninterrupted)
+    _rerun(args, crashed, resumed_at=saved)
+    _run_through(args, straight, uninterrupted)
 
     _assert_same_params(straight, crashed)
     keys = ("reward/mean", "loss", "grad_norm", "off_policy/lag", "off_policy/weight_mean",
-            "rollout/restarted")
+            "rollout/restarted", "rollout/rounds", "groups/kept", "rollout/prefix_hit_rate")
     a = [{k: r[k] for k in keys} for r in _metrics(straight) if "loss" in r]
     b = [{k: r[k] for k in keys} for r in _metrics(crashed) if "loss" in r]
     assert len(a) == GRPO_STEPS and a == b
     assert any(r["off_policy/lag"] > 0 for r in a)
+    assert any(r["rollout/rounds"] > 1 for r in a) == (args is DYNAMIC)  # groups replaced

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
@@ -77,6 +77,24 @@ def group_spread(rewards_B: jax.Array, group: int) -> jax.Array:
     """max - min of each group's rewards, P (rows grouped contiguously)."""
     r_PxG = rewards_B.reshape(-1, group)
     return r_PxG.max(-1) - r_PxG.min(-1)
+
+
+@dataclass
+class Choice:
+    """The rounds of one step's batch, their shaped rewards, and the (round, group) pairs
+    they keep and drop (`Collector.add_round`)."""
+
+    rounds: list[Round] = field(default_factory=list)
+    rewards: list[jax.Array] = field(default_factory=list)
+    kept: list[np.ndarray] = field(default_factory=list)
+    dropped: list[np.ndarray] = field(default_factory=list)
+
+    def groups(self, batch_size: int) -> tuple[np.ndarray, int]:
+        """(the batch's `batch_size` (round, group) pairs: the kept ones first, then dropped
+        ones to fill it, which carry no loss; how many are kept)."""
+        kept_pairs, dropped_pairs = np.concatenate(self.kept), np.concatenate(self.dropped)
+        num_kept = min(len(kept_pairs), batch_size)
+        return np.concatenate([kept_pairs[:num_kept], dropped_pairs])[:batch_size], num_kept
 
 
 def select_groups(informative_P: np.ndarray | None, num_groups: int,
@@ -188,22 +206,26 @@ class Collector:
     def collect(self, params: Any, step: int, first: Round | None = None) -> Collected:
         """The rounds of `step` (`first`: its round 0, sampled ahead) and the batch of the
         groups they keep."""
-        rounds, rewards, kept, dropped = [], [], [], []
+        choice = Choice()
         for rnd in range(self.rounds):
             r = first if rnd == 0 and first is not None else self.round(params, step, rnd)
-            rewards.append(self.round_rewards(r))
-            keep, drop = self._select(rewards[-1], r)
-            kept.append(np.stack([np.full_like(keep, rnd), keep], 1))
-            dropped.append(np.stack([np.full_like(drop, rnd), drop], 1))
-            rounds.append(r)
-            if sum(len(k) for k in kept) >= self.batch_size:
+            if self.add_round(choice, r):
                 break
-        kept_pairs, dropped_pairs = np.concatenate(kept), np.concatenate(dropped)
-        num_kept = min(len(kept_pairs), self.batch_size)
-        groups = np.concatenate([kept_pairs[:num_kept], dropped_pairs])[:self.batch_size]
+        groups, num_kept = choice.groups(self.batch_size)
         ahead = first is not None  # round 0 was sampled by the previous step's parameters
         lag = float(np.mean(groups[:num_kept, 0] == 0)) if ahead and num_kept else 0.0
-        return self.batch(rounds, rewards, groups, num_kept, lag)
+        return self.batch(choice.rounds, choice.rewards, groups, num_kept, lag)
+
+    def add_round(self, choice: "Choice", r: Round) -> bool:
+        """Scores round `r` into `choice` (its groups kept or, under dynamic sampling,
+        dropped as uninformative); True once a batch of groups is kept."""
+        rnd = len(choice.rounds)
+        choice.rewards.append(self.round_rewards(r))
+        keep, drop = self._select(choice.rewards[-1], r)
+        choice.kept.append(np.stack([np.full_like(keep, rnd), keep], 1))
+        choice.dropped.append(np.stack([np.full_like(drop, rnd), drop], 1))
+        choice.rounds.append(r)
+        return sum(len(k) for k in choice.kept) >= self.batch_size
 
     def batch(self, rounds: list[Round], rewards: list[jax.Array], groups: np.ndarray,
               num_kept: int, lag: float) -> Collected:

@@ -32,6 +32,12 @@ policy at the step start as the proximal policy and truncated importance weights
 min(pi_old / pi_behaviour, C) per token (`gpurl.algorithms.behaviour.behaviour_weights`),
 pi_behaviour being each token's log-prob under the version that
 sampled it.
+
+Dynamic sampling (`algo.dynamic_sampling`): a step scores rounds of `per` groups as they
+become ready, drops the uninformative ones (all G rewards equal) and goes on streaming
+until a batch of informative groups is kept or 1 + `algo.max_refills` rounds are scored
+(the batch is then filled with dropped groups, which carry no loss), as synchronous
+rounds do; the groups it drops are replaced from the data's stream by the top-up.
 """
 
 from __future__ import annotations
@@ -47,10 +53,10 @@ import numpy as np
 
 from gpurl.config import ConfigError, RolloutConfig
 from gpurl.distributed import host, runtime
-from gpurl.rollout.collect import Collected, Collector
+from gpurl.rollout.collect import Choice, Collected, Collector
 from gpurl.rollout.prompts import Prompts
 from gpurl.rollout.requests import Completion
-from gpurl.rollout.rounds import row_seeds
+from gpurl.rollout.rounds import Round, row_seeds
 from gpurl.rollout.weights import PolicyWeights, corrected
 
 
@@ -89,10 +95,9 @@ class Continuous:
             raise ConfigError("rollout.mode=continuous needs mesh.placement=split (rollouts "
                               "and training on their own devices); colocated runs are sync "
                               "or one step ahead (rollout.mode=one_ahead).")
-        if collector.drop_equal or collector.source.env is not None:
-            raise ConfigError("rollout.mode=continuous does not run with algo.dynamic_sampling "
-                              "or a multi-turn environment yet; set rollout.mode=sync or "
-                              "one_ahead.")
+        if collector.source.env is not None:
+            raise ConfigError("rollout.mode=continuous does not run with a multi-turn "
+                              "environment yet; set rollout.mode=sync or one_ahead.")
         self.rounds, self.collector, self.prompts, self.cfg = collector.source, collector, prompts, cfg
         self.weights, self.group, self.seed = weights, group, seed
         self.batches_in_flight = cfg.in_flight  # the stream's pool holds these at once
@@ -138,38 +143,27 @@ class Continuous:
             self.restore(json.loads(zlib.decompress(base64.b64decode(text))))
 
     def collect(self, step: int, policy: Any) -> Collected:
-        """The batch of step `step`: the stream iterates until a batch is ready, taking the
-        trainer's weights (`policy`, computed or not yet) when they are due."""
-        t0 = time.perf_counter()
+        """The batch of step `step`: the stream iterates until a round of groups is ready,
+        taking the trainer's weights (`policy`, computed or not yet) when they are due;
+        under dynamic sampling, rounds go on (up to 1 + algo.max_refills) until a batch of
+        informative groups is kept, the dropped ones replaced from the stream."""
         if self.stream is None:
             self.stream = self.rounds.engine.stream(self.rounds.prompt_width, self._restored)
             self._restored = None
         oldest = step - self.cfg.max_lag
-        dropped = self._drop_ready(oldest)
-        iterations, sync_s = 0, 0.0
-        while True:
-            self._top_up()
-            dropped += self.stream.drop_stale(oldest)
-            due = self.version < step and (self.params is None or self.version < oldest or (
-                self.cfg.swap_chunks and iterations >= self.cfg.swap_chunks))
-            enough, computed = host.gather([self._can_batch(step),
-                                            self.weights.computed(policy)]).min(axis=0)
-            if self.version < step and (due or (not self.cfg.swap_chunks and computed)):
-                sync_s += self._take(policy, step)
-                continue
-            if enough:
+        self._iterations, self._sync_s = 0, 0.0
+        self._restarted = self._drop_ready(oldest)
+        choice, lags = Choice(), []
+        for _ in range(self.collector.rounds):
+            t0, sync_before = time.perf_counter(), self._sync_s
+            self._fill(step, policy, oldest)
+            r, lag = self._round(step, time.perf_counter() - t0 - (self._sync_s - sync_before))
+            lags.append(lag)
+            if self.collector.add_round(choice, r):
                 break
-            self.stream.iterate(self.params, self.version)
-            iterations += 1
-            for index, completion in self.stream.finished():
-                gid = self.owner.pop(index)
-                self.groups[gid].done[index] = completion
-                if self.groups[gid].ready:
-                    self.ready.append(gid)
-            dropped += self._drop_ready(oldest)
         if self.cfg.swap_chunks and self.version < step:  # deterministic: by the batch's end
-            sync_s += self._take(policy, step)
-        return self._batch(step, time.perf_counter() - t0 - sync_s, sync_s, dropped)
+            self._sync_s += self._take(policy, step)
+        return self._batch(step, choice, lags)
 
     def snapshot(self) -> dict:
         """The in-flight state as plain data, for a checkpoint: the stream (its decoding
@@ -256,7 +250,33 @@ class Continuous:
         """A batch is ready: `per` groups ready, the ones due among them."""
         return len(self.ready) >= self.per and all(self.groups[g].ready for g in self._due(step))
 
-    def _batch(self, step: int, rollout_s: float, sync_s: float, dropped: int) -> Collected:
+    def _fill(self, step: int, policy: Any, oldest: int) -> None:
+        """Iterates the stream until every process has a round of groups ready, taking the
+        trainer's weights when they are due."""
+        while True:
+            self._top_up()
+            self._restarted += self.stream.drop_stale(oldest)
+            due = self.version < step and (self.params is None or self.version < oldest or (
+                self.cfg.swap_chunks and self._iterations >= self.cfg.swap_chunks))
+            enough, computed = host.gather([self._can_batch(step),
+                                            self.weights.computed(policy)]).min(axis=0)
+            if self.version < step and (due or (not self.cfg.swap_chunks and computed)):
+                self._sync_s += self._take(policy, step)
+                continue
+            if enough:
+                return
+            self.stream.iterate(self.params, self.version)
+            self._iterations += 1
+            for index, completion in self.stream.finished():
+                gid = self.owner.pop(index)
+                self.groups[gid].done[index] = completion
+                if self.groups[gid].ready:
+                    self.ready.append(gid)
+            self._restarted += self._drop_ready(oldest)
+
+    def _round(self, step: int, rollout_s: float) -> tuple[Round, np.ndarray]:
+        """A round of this process's `per` groups (the due ones first, then ready-first),
+        scored; and each group's token lags behind `step` (sum, count, max), per x 3."""
         due = self._due(step)
         taken = due + [gid for gid in self.ready if gid not in due][:self.per - len(due)]
         self.ready = [gid for gid in self.ready if gid not in taken]
@@ -268,16 +288,22 @@ class Continuous:
         self._counts = dict(self.stream.stats)
         r = self.rounds.score(self.prompts, [g.prompt for g in groups], done, self.group,
                               rollout_s, counts)
-        lag = np.concatenate([step - c.versions for c in done])
-        total, most, tokens, drops = host.gather(
-            [int(lag.sum()), int(lag.max(initial=0)), lag.size, dropped]).T
-        p = self.per * runtime.process_count()
-        got = self.collector.batch([r], [self.collector.round_rewards(r)],
-                                   np.stack([np.zeros(p, int), np.arange(p)], 1), p,
+        lags = [np.concatenate([step - g.done[i].versions for i in g.requests]) for g in groups]
+        return r, np.asarray([(x.sum(), x.size, x.max(initial=0)) for x in lags], np.int64)
+
+    def _batch(self, step: int, choice: Choice, lags: list[np.ndarray]) -> Collected:
+        """The batch of the step's rounds; the lag figures of the groups it trains."""
+        groups, num_kept = choice.groups(self.collector.batch_size)
+        rank = runtime.process_index()
+        mine = np.asarray([lags[rnd][g - rank * self.per] for rnd, g in groups[:num_kept]
+                           if g // self.per == rank], np.int64).reshape(-1, 3)
+        total, tokens, most, restarted = host.gather(
+            [mine[:, 0].sum(), mine[:, 1].sum(), mine[:, 2].max(initial=0), self._restarted]).T
+        got = self.collector.batch(choice.rounds, choice.rewards, groups, num_kept,
                                    float(total.sum() / max(tokens.sum(), 1)))
         got.metrics.update({"off_policy/lag_max": float(most.max()),
-                            "rollout/restarted": float(drops.sum()), "time/sync_s": sync_s,
-                            "rollout/version": float(self.version)})
+                            "rollout/restarted": float(restarted.sum()),
+                            "time/sync_s": self._sync_s, "rollout/version": float(self.version)})
         return got
 
 
