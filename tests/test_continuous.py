@@ -167,3 +167,39 @@ def test_dynamic_sampling_replaces_uninformative_groups_from_the_stream(tmp_path
     assert len(scored) == sum(m["rollout/rounds"] for m in metrics)  # a round per score
     assert all(m["off_policy/lag_max"] <= 2 for m in metrics)
     assert any(m["off_policy/lag_max"] > 0 for m in metrics)
+
+
+def _env_config(tmp_path, **rollout: Any):
+    """Continuous GRPO on guess-the-number trajectories of up to 3 turns (tests/rl_envs.py
+    CountedGuess: each environment step is logged per process)."""
+    return make_config(
+        algo={"name": "grpo", "num_generations": 4, "beta": 0.0},
+        model=dict(TINY_MODEL, tokenizer="bytes"), mesh={"placement": "split", "rollout_devices": 1},
+        data={"name": "guess_number", "num_train": 32, "num_eval": 0, "max_len": 256, "few_shot": 1},
+        optim={"lr": 1e-2, "warmup_steps": 0, "decay": "constant"},
+        train={"steps": 4, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0},
+        rollout={"max_new_tokens": 4, "decode_chunk": 2, "mode": "continuous", **rollout},
+        env={"name": "rl_envs:CountedGuess", "max_turns": 3, "max_tokens": 32},
+        logger={"progress": False}, run={"dir": str(tmp_path)})
+
+
+@pytest.mark.e2e
+def test_multi_turn_trajectories_stream_through_continuous_rollouts(tmp_path, monkeypatch):
+    """Continuous rollouts of multi-turn trajectories: each turn's environment step runs
+    between decode chunks as the row's turn ends (once per turn, turns 1, 2, ... in
+    order), the next turn finds the trajectory so far in the prefix cache, trajectories
+    span policy versions, and no model token trained is older than the bound."""
+    monkeypatch.setenv("GPURL_TEST_COUNT_DIR", str(tmp_path))
+    metrics, scored, _ = _run(_env_config(tmp_path / "run", max_lag=2, swap_chunks=1,
+                                          in_flight=2), 4)
+    assert all(1 <= m["env/turns"] <= 3 for m in metrics) and any(m["env/turns"] > 1 for m in metrics)
+    assert all(m["off_policy/lag_max"] <= 2 for m in metrics)
+    assert any(m["off_policy/lag_max"] > 0 for m in metrics)
+    assert any(m["rollout/prefix_hit_rate"] > 0 for m in metrics)
+    turns: dict[str, list[int]] = {}
+    for line in next(tmp_path.glob("[0-9]*")).read_text().split("\n"):
+        if line:
+            traj, turn = line.split()
+            turns.setdefault(traj, []).append(int(turn))
+    assert all(t == list(range(1, len(t) + 1)) for t in turns.values())
+    assert len(turns) >= 4 * 4 * 4  # every trajectory trained had its own environment

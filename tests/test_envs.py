@@ -199,6 +199,35 @@ def test_a_three_turn_trajectory_has_the_hand_built_layout():
     assert not grad[mask == 0].any() and (grad[mask == 1] != 0).mean() > 0.9
 
 
+def test_a_checkpointed_trajectory_goes_on_as_the_uninterrupted_one():
+    """Continuous rollouts checkpoint trajectories in flight: their snapshot (JSON) restores
+    tokens, rewards and versions, and rebuilds each environment still going by replaying
+    reset() and its steps, so a stateful environment (Scripted counts its turns) answers
+    the next turns as the uninterrupted one does."""
+    from gpurl.rollout.requests import Completion
+
+    rounds = env_rounds(EnvConfig(name="test_envs:Scripted", max_turns=5, max_tokens=40))
+    live = rounds.new_episodes()
+    rows = [PROMPTS.rows[0]] * 2
+    live.begin(rows, [0, 1], rounds.first_requests(PROMPTS.tokens[0], [1, 2]))
+
+    def turn(version: int) -> Completion:
+        return Completion(np.asarray(TOK.encode("ab"), np.int32), np.full(2, -0.5, np.float32),
+                          True, None, np.full(2, version, np.int32))
+
+    live.resume(0, turn(3))
+    restored = rounds.new_episodes()
+    restored.restore(json.loads(json.dumps(live.snapshot())), rows)
+    assert restored.oldest() == live.oldest() == 3
+    for episodes in (live, restored):
+        assert episodes.resume(0, turn(4)).prompt[-3:] == tuple(TOK.encode("<2>"))
+        assert episodes.resume(0, turn(5)) is None  # Scripted's third turn ends it
+        assert episodes.resume(1, turn(5)).offset == 2  # row 1's first turn
+    for k, x in live.arrays(40, TOK.pad_id).items():
+        assert np.array_equal(x, restored.arrays(40, TOK.pad_id)[k]), k
+    assert restored.trajectories[0].rewards == [0.5, 0.25, 1.0]
+
+
 @pytest.mark.slow
 def test_trajectories_end_at_max_turns_and_max_tokens():
     rounds = env_rounds(EnvConfig(name="test_envs:Scripted", max_turns=2, max_tokens=40,

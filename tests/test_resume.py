@@ -166,7 +166,15 @@ DYNAMIC = ([a for a in CONTINUOUS if not a.startswith("rewards=")]
               "rewards=[test_grpo:constant_on_addition]"])
 
 
-@pytest.mark.parametrize("args", [CONTINUOUS, DYNAMIC], ids=["continuous", "dynamic_sampling"])
+# ... and with multi-turn trajectories: guess the number, up to 3 turns (the environments in
+# flight at the checkpoint are built again and replayed with the turns they were given)
+MULTI_TURN = ([a for a in CONTINUOUS if not a.startswith(("data=", "data.max_len=", "rollout.max_new_tokens="))]
+              + ["data=guess_number", "data.max_len=256", "data.few_shot=1", "env=guess_number",
+                 "env.max_turns=3", "env.max_tokens=32", "rollout.max_new_tokens=4"])
+
+
+@pytest.mark.parametrize("args", [CONTINUOUS, DYNAMIC, MULTI_TURN],
+                         ids=["continuous", "dynamic_sampling", "multi_turn"])
 def test_continuous_kill_and_resume_equal_an_uninterrupted_run(tmp_path, args):
     """Continuous mode killed (SIGKILL) after its first checkpoint: the checkpoint holds the
     requests in flight (tokens, versions, sampling offsets), the groups and their order,
@@ -191,3 +199,6 @@ def test_continuous_kill_and_resume_equal_an_uninterrupted_run(tmp_path, args):
     assert len(a) == GRPO_STEPS and a == b
     assert any(r["off_policy/lag"] > 0 for r in a)
     assert any(r["rollout/rounds"] > 1 for r in a) == (args is DYNAMIC)  # groups replaced
+    if args is MULTI_TURN:
+        assert all(r["env/turns"] == s["env/turns"] for r, s in zip(_metrics(straight),
+                                                                     _metrics(crashed)))

@@ -38,6 +38,13 @@ become ready, drops the uninformative ones (all G rewards equal) and goes on str
 until a batch of informative groups is kept or 1 + `algo.max_refills` rounds are scored
 (the batch is then filled with dropped groups, which carry no loss), as synchronous
 rounds do; the groups it drops are replaced from the data's stream by the top-up.
+
+Multi-turn environments (`env=...`): a group's G trajectories are `Episodes` of their own;
+as a row's turn ends the stream calls `_resume` (on the row's host, between two decode
+chunks), its environment steps and the next turn joins the stream (its trajectory so far
+found in the prefix cache). A group's oldest token counts every turn's, so the bound holds
+for trajectories that span versions. Checkpoints keep the trajectories and the texts their
+environments were given, and a resumed run replays them (`Episodes.restore`).
 """
 
 from __future__ import annotations
@@ -55,7 +62,8 @@ from gpurl.config import ConfigError, RolloutConfig
 from gpurl.distributed import host, runtime
 from gpurl.rollout.collect import Choice, Collected, Collector
 from gpurl.rollout.prompts import Prompts
-from gpurl.rollout.requests import Completion
+from gpurl.rollout.multiturn import Episodes
+from gpurl.rollout.requests import Completion, Request
 from gpurl.rollout.rounds import Round, row_seeds
 from gpurl.rollout.weights import PolicyWeights, corrected
 
@@ -68,6 +76,7 @@ class Group:
     seeds: np.ndarray  # G sampling seeds
     requests: list[int]  # their indices in the stream
     done: dict[int, Completion] = field(default_factory=dict)
+    episodes: Episodes | None = None  # with an environment: its G trajectories
 
     @property
     def ready(self) -> bool:
@@ -78,7 +87,15 @@ class Group:
         requests in flight given `started` (`Stream.started`); 1 << 30 when it has none."""
         done = [int(c.versions.min(initial=1 << 30)) for c in self.done.values()]
         flying = [started[i] for i in self.requests if i in started] if started else []
-        return min(done + flying, default=1 << 30)
+        earlier = [self.episodes.oldest()] if self.episodes is not None else []  # past turns
+        return min(done + flying + earlier, default=1 << 30)
+
+    def lags(self, step: int) -> np.ndarray:
+        """How many versions each of its model tokens is behind `step`."""
+        if self.episodes is not None:
+            return step - np.asarray([v for t in self.episodes.trajectories
+                                      for v in t.versions if v >= 0], np.int64)
+        return np.concatenate([step - self.done[i].versions for i in self.requests])
 
 
 class Continuous:
@@ -95,9 +112,6 @@ class Continuous:
             raise ConfigError("rollout.mode=continuous needs mesh.placement=split (rollouts "
                               "and training on their own devices); colocated runs are sync "
                               "or one step ahead (rollout.mode=one_ahead).")
-        if collector.source.env is not None:
-            raise ConfigError("rollout.mode=continuous does not run with a multi-turn "
-                              "environment yet; set rollout.mode=sync or one_ahead.")
         self.rounds, self.collector, self.prompts, self.cfg = collector.source, collector, prompts, cfg
         self.weights, self.group, self.seed = weights, group, seed
         self.batches_in_flight = cfg.in_flight  # the stream's pool holds these at once
@@ -148,7 +162,9 @@ class Continuous:
         under dynamic sampling, rounds go on (up to 1 + algo.max_refills) until a batch of
         informative groups is kept, the dropped ones replaced from the stream."""
         if self.stream is None:
-            self.stream = self.rounds.engine.stream(self.rounds.prompt_width, self._restored)
+            resume = self._resume if self.rounds.env else None
+            self.stream = self.rounds.engine.stream(self.rounds.prompt_width, self._restored,
+                                                    resume)
             self._restored = None
         oldest = step - self.cfg.max_lag
         self._iterations, self._sync_s = 0, 0.0
@@ -176,7 +192,8 @@ class Continuous:
                 "position": self.collector.position, "ids": self._ids, "ready": self.ready,
                 "counts": self._counts,
                 "groups": [[gid, g.prompt, g.seeds.tolist(), g.requests, self.drawn_at[gid],
-                            [[i, _completion_state(c)] for i, c in g.done.items()]]
+                            [[i, _completion_state(c)] for i, c in g.done.items()],
+                            None if g.episodes is None else g.episodes.snapshot()]
                            for gid, g in self.groups.items()]}
 
     def restore(self, state: dict) -> None:
@@ -184,9 +201,12 @@ class Continuous:
         step (a collective)."""
         self.collector.position, self._ids = state["position"], state["ids"]
         self.ready, self._counts, self._restored = list(state["ready"]), state["counts"], state["stream"]
-        for gid, prompt, seeds, requests, drawn, done in state["groups"]:
+        for gid, prompt, seeds, requests, drawn, done, episodes in state["groups"]:
             g = Group(prompt, np.asarray(seeds, np.uint32), list(requests),
                       {i: _completion_from(c) for i, c in done})
+            if episodes is not None:
+                g.episodes = self.rounds.new_episodes()
+                g.episodes.restore(episodes, [self.prompts.rows[prompt]] * len(requests))
             self.groups[gid], self.drawn_at[gid] = g, drawn
             for i in g.requests:
                 if i not in g.done:
@@ -217,11 +237,15 @@ class Continuous:
                 self._add(int(prompt), seeds[at:at + g], position)
 
     def _add(self, prompt: int, seeds: np.ndarray, position: int) -> None:
-        engine = self.rounds.engine
-        requests = [engine.request(self.prompts.tokens[prompt], int(s)) for s in seeds]
+        requests = self.rounds.first_requests(self.prompts.tokens[prompt], seeds)
+        episodes = None
+        if self.rounds.env:  # the G trajectories' environments, built from the prompt's row
+            episodes = self.rounds.new_episodes()
+            requests = episodes.begin([self.prompts.rows[prompt]] * len(requests),
+                                      [prompt] * len(requests), requests)
         gid, self._ids = self._ids, self._ids + 1
         indices = self.stream.add(requests)
-        self.groups[gid] = Group(prompt, seeds, indices)
+        self.groups[gid] = Group(prompt, seeds, indices, episodes=episodes)
         self.drawn_at[gid] = position
         for i in indices:
             self.owner[i] = gid
@@ -287,9 +311,15 @@ class Continuous:
         counts = {k: v - self._counts.get(k, 0.0) for k, v in self.stream.stats.items()}
         self._counts = dict(self.stream.stats)
         r = self.rounds.score(self.prompts, [g.prompt for g in groups], done, self.group,
-                              rollout_s, counts)
-        lags = [np.concatenate([step - g.done[i].versions for i in g.requests]) for g in groups]
+                              rollout_s, counts, [g.episodes for g in groups if g.episodes])
+        lags = [g.lags(step) for g in groups]
         return r, np.asarray([(x.sum(), x.size, x.max(initial=0)) for x in lags], np.int64)
+
+    def _resume(self, index: int, done: Completion) -> Request | None:
+        """A multi-turn row's turn ended (called by the stream, on this row's host): its
+        environment steps, and its next turn's request, or None when it ends."""
+        g = self.groups[self.owner[index]]
+        return g.episodes.resume(index - g.requests[0], done)
 
     def _batch(self, step: int, choice: Choice, lags: list[np.ndarray]) -> Collected:
         """The batch of the step's rounds; the lag figures of the groups it trains."""

@@ -92,11 +92,13 @@ class Engine(Programs):
                                 - self.stats["decode_s"])
         return stream.completions()
 
-    def stream(self, prefill_width: int = 0, state: dict | None = None) -> "Stream":
+    def stream(self, prefill_width: int = 0, state: dict | None = None,
+               resume: Callable[[int, Completion], Request | None] | None = None) -> "Stream":
         """A generation that requests join while it runs (`Stream`), with a KV pool of its
-        own, or the one whose `Stream.snapshot` is `state`. Every process must call this,
-        and then `Stream.iterate`, together."""
-        return Stream(self, prefill_width, state)
+        own, or the one whose `Stream.snapshot` is `state`; `resume` as `generate`'s (a
+        multi-turn row's next turn). Every process must call this, and then
+        `Stream.iterate`, together."""
+        return Stream(self, prefill_width, state, resume=resume)
 
     def scheduler(self, requests: Sequence[Request], resume: Callable | None,
                   prefill_width: int) -> Scheduler:

@@ -93,6 +93,8 @@ class Trajectory:
     error: bool = False
     final: tuple[int, int] = (0, 0)  # the last model turn's token span
     env: Environment | None = None
+    versions: list[int] = field(default_factory=list)  # per token: its sampler's policy version, -1 observations
+    actions: list[str] = field(default_factory=list)  # the texts its environment stepped with
 
     @property
     def drawn(self) -> int:
@@ -150,6 +152,8 @@ class Episodes:
         traj.tokens += done.tokens.tolist()
         traj.logprobs += done.logprobs.tolist()
         traj.model += [True] * len(done.tokens)
+        traj.versions += (done.versions.tolist() if done.versions is not None
+                          else [0] * len(done.tokens))
         if self.routes_shape is not None:
             traj.routes += list(done.routes)
         traj.final = (start, len(traj.tokens))
@@ -157,6 +161,7 @@ class Episodes:
         if traj.env is None or traj.error:  # padding, or an environment that failed to start
             return None
         text = truncate(self.tokenizer.decode(done.tokens), self.stop)
+        traj.actions.append(text)
         step = self._guard(i, "raised in step()", lambda: _as_step(traj.env.step(text)))
         if step is None:
             return None
@@ -166,6 +171,37 @@ class Episodes:
         if step.observation and not self._observe(traj, step.observation, i):
             return None
         return self._next(i)
+
+    def oldest(self) -> int:
+        """The policy version of the oldest model token of its trajectories (1 << 30: none)."""
+        return min((min((v for v in t.versions if v >= 0), default=1 << 30)
+                    for t in self.trajectories), default=1 << 30)
+
+    def snapshot(self) -> dict:
+        """The trajectories as plain data (for a checkpoint); `restore` rebuilds them."""
+        return {"first": [r.state() for r in self.first], "row_ids": self.row_ids,
+                "trajectories": [{**{k: getattr(t, k) for k in _SAVED},
+                                  "final": list(t.final), "live": t.env is not None,
+                                  "routes": [x.tolist() for x in t.routes]}
+                                 for t in self.trajectories]}
+
+    def restore(self, state: dict, rows: Sequence[dict | None]) -> None:
+        """The trajectories `snapshot` gave. The environment of each trajectory still going
+        is built from its row again and replayed: reset(), then step() with each text it
+        was given, so an environment must act the same on the same calls (one that draws
+        randomness seeds it from its row)."""
+        self.first = [Request.from_state(r) for r in state["first"]]
+        self.row_ids = list(state["row_ids"])
+        self.trajectories = []
+        for i, (data, row) in enumerate(zip(state["trajectories"], rows)):
+            traj = Trajectory(**{k: data[k] for k in _SAVED}, final=tuple(data["final"]),
+                              routes=[np.asarray(x, np.int16) for x in data["routes"]])
+            self.trajectories.append(traj)
+            if data["live"] and row is not None:
+                traj.env = self.factory.make(row)
+                traj.env.reset()
+                for text in traj.actions:
+                    traj.env.step(text)
 
     # ------------------------------------------------------------------ host arrays
 
@@ -217,6 +253,7 @@ class Episodes:
         traj.tokens += ids
         traj.logprobs += [0.0] * len(ids)
         traj.model += [False] * len(ids)
+        traj.versions += [-1] * len(ids)
         if self.routes_shape is not None:
             traj.routes += [np.full(self.routes_shape, -1, np.int16)] * len(ids)
         return True
@@ -245,6 +282,10 @@ class Episodes:
             raise EnvError(f"environment {self.factory.name!r} {why} on row {row}; fix it, "
                            f"raise env.timeout_s, or set env.on_error=end to end such "
                            f"trajectories with env.error_reward.") from None
+
+
+# a trajectory's fields a checkpoint keeps as they are
+_SAVED = ("tokens", "logprobs", "model", "rewards", "turns", "error", "versions", "actions")
 
 
 def _as_step(value: Any) -> Step:

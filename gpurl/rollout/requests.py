@@ -33,6 +33,17 @@ class Request:
     stop_ids: tuple[int, ...] | None = None  # None: the engine's (EOS + rollout.stop)
     offset: int = 0
 
+    def state(self) -> dict:
+        """As plain data (a checkpoint's JSON); `from_state` rebuilds it."""
+        return {**self.__dict__, "prompt": list(self.prompt),
+                "stop_ids": None if self.stop_ids is None else list(self.stop_ids)}
+
+    @staticmethod
+    def from_state(data: dict) -> "Request":
+        stop = data["stop_ids"]
+        return Request(**{**data, "prompt": tuple(data["prompt"]),
+                          "stop_ids": None if stop is None else tuple(stop)})
+
 
 @dataclass
 class Completion:

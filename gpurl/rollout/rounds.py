@@ -35,7 +35,7 @@ from gpurl.rewards import Reward
 from gpurl.rollout.decode import stop_token_ids
 from gpurl.rollout.engine import Engine
 from gpurl.rollout.programs import Rollout
-from gpurl.rollout.requests import Completion
+from gpurl.rollout.requests import Completion, Request
 from gpurl.rollout.multiturn import EnvFactory, Episodes
 from gpurl.rollout.prompts import Prompts
 from gpurl.rollout.scoring import RowContext, ShardedScorer
@@ -160,23 +160,17 @@ class Rounds:
         local_seeds[:per] = seeds[rank * per:(rank + 1) * per]
         local_ids = np.full(padded, -1, np.int32)
         local_ids[:per] = np.where(ids >= 0, rank * per + np.arange(per), -1)
-        requests = [engine.request(t, s, max_new_tokens=self._turn_tokens(), temperature=temperature)
-                    for t, s in zip(tokens, local_seeds)]
+        requests = [self.first_requests(t, [s], temperature)[0] for t, s in zip(tokens, local_seeds)]
         t0 = time.perf_counter()
-        put = functools.partial(host.to_device, sharding=engine.rows)
         env = mask = None
         if self.env:
             rows = [prompts.rows[i] if i >= 0 else None for i in ids] + [None] * (padded - per)
-            self.episodes = Episodes(self.factory, self.tokenizer, self.stop, self.width,
-                                     engine.cfg.max_new_tokens, engine.routes_shape)
+            self.episodes = self.new_episodes()
             requests = self.episodes.begin(rows, local_ids.tolist(), requests)
             engine.generate(params, requests, resume=self.episodes.resume,
                             prefill_width=self.prompt_width)
-            arrays = self.episodes.arrays(self.width, engine.pad_id)
-            local = {k: arrays[k] for k in ("tokens", "lengths", "logprobs", "routes", "mask")
-                     if k in arrays}
-            scored = (arrays["final"], arrays["final_lengths"])
-            env, mask = put(arrays["env"]), put(arrays["mask"])
+            local, scored, env, mask = self._trajectories(self.episodes.arrays(self.width,
+                                                                               engine.pad_id))
         else:
             local = self._completions(engine.generate(params, requests,
                                                       prefill_width=self.prompt_width))
@@ -186,21 +180,52 @@ class Rounds:
         return self._scored(local, scored, local_ids, global_rows, group, per,
                             time.perf_counter() - t0, dict(engine.stats), env, mask)
 
+    def new_episodes(self) -> Episodes:
+        """Trajectories of some rows (`Episodes.begin`) with this run's environment."""
+        return Episodes(self.factory, self.tokenizer, self.stop, self.width,
+                        self.engine.cfg.max_new_tokens, self.engine.routes_shape)
+
+    def first_requests(self, tokens: Sequence[int], seeds: Sequence[int],
+                       temperature: float | None = None) -> list[Request]:
+        """The first requests of rows of prompt `tokens`, one per seed: a turn's worth of
+        tokens each with an environment, else a completion's."""
+        return [self.engine.request(tokens, int(s), max_new_tokens=self._turn_tokens(),
+                                    temperature=temperature) for s in seeds]
+
+    def _trajectories(self, arrays: dict[str, np.ndarray]) -> tuple:
+        """(the rows' arrays, what the reward functions score: the last model turns, the
+        environment's figures and the model-token mask on the rollout rows) of
+        trajectories' `Episodes.arrays`."""
+        put = functools.partial(host.to_device, sharding=self.engine.rows)
+        local = {k: arrays[k] for k in ("tokens", "lengths", "logprobs", "routes", "mask")
+                 if k in arrays}
+        return (local, (arrays["final"], arrays["final_lengths"]), put(arrays["env"]),
+                put(arrays["mask"]))
+
     def score(self, prompts: Prompts, indices: Sequence[int], done: list[Completion],
-              group: int, rollout_s: float, counts: dict[str, float]) -> Round:
+              group: int, rollout_s: float, counts: dict[str, float],
+              episodes: Sequence[Episodes] = ()) -> Round:
         """A round of completions sampled elsewhere (`continuous.Continuous`): this
         process's groups of prompts `indices` (every process the same number), `done`
-        their `group` completions each, in order."""
+        their `group` completions each, in order; with an environment, `episodes` are the
+        groups' trajectories, which the round holds instead."""
         count, rank = runtime.process_count(), runtime.process_index()
         per = len(indices) * group
-        local = self._completions(done)
+        env = mask = None
+        if episodes:
+            arrays = [e.arrays(self.width, self.engine.pad_id) for e in episodes]
+            local, scored, env, mask = self._trajectories(
+                {k: np.concatenate([a[k] for a in arrays]) for k in arrays[0]})
+        else:
+            local = self._completions(done)
+            scored = (local["tokens"], local["lengths"])
         tokens = [prompts.tokens[i] for i in np.repeat(indices, group)]
         local["prompt_tokens"], local["prompt_lengths"] = self._prompts(tokens)
         global_rows: list = [None] * (count * len(indices))  # this process's groups alone
         global_rows[rank * len(indices):(rank + 1) * len(indices)] = [prompts.rows[i] for i in indices]
         local_ids = (rank * per + np.arange(per)).astype(np.int32)
-        return self._scored(local, (local["tokens"], local["lengths"]), local_ids, global_rows,
-                            group, per, rollout_s, counts)
+        return self._scored(local, scored, local_ids, global_rows, group, per, rollout_s,
+                            counts, env, mask)
 
     def _scored(self, local: dict[str, np.ndarray], scored: tuple[np.ndarray, np.ndarray],
                 local_ids: np.ndarray, global_rows: list, group: int, per: int,

@@ -517,16 +517,11 @@ def _live_state(live: Live) -> dict:
     r = live.request
     return {"index": live.index, "admitted": live.admitted, "tokens": list(live.tokens),
             "logprobs": list(live.logprobs), "versions": list(live.versions),
-            "routes": [x.tolist() for x in live.routes],
-            "request": {**r.__dict__, "prompt": list(r.prompt),
-                        "stop_ids": None if r.stop_ids is None else list(r.stop_ids)}}
+            "routes": [x.tolist() for x in live.routes], "request": r.state()}
 
 
 def _live_from(data: dict) -> Live:
-    fields = dict(data["request"])
-    fields["prompt"] = tuple(fields["prompt"])
-    fields["stop_ids"] = None if fields["stop_ids"] is None else tuple(fields["stop_ids"])
-    return Live(data["index"], Request(**fields), list(data["tokens"]), list(data["logprobs"]),
+    return Live(data["index"], Request.from_state(data["request"]), list(data["tokens"]), list(data["logprobs"]),
                 [np.asarray(x, np.int16) for x in data["routes"]], list(data["versions"]),
                 admitted=data["admitted"])
 
