@@ -109,15 +109,22 @@ class BlockPool:
 
     def remember(self, blocks: Sequence[int], tokens: Sequence[int], salt: int, full: int) -> None:
         """Remembers the first `full` of `blocks`, which hold `tokens`' first full blocks as
-        policy version `salt` computed them. A block remembered already keeps its key, and
-        a digest another block holds is not taken twice."""
+        policy version `salt` computed them. A block remembered already keeps its key (its
+        digest is the next block's parent: only the blocks new to the cache are hashed),
+        and a digest another block holds is not taken twice."""
         if not self.cache:
             return
-        for blk, (digest, parent, block) in zip(blocks, _chain(tokens, self.block_size, salt, full)):
-            if blk in self.keys or digest in self.digests:
+        size, parent = self.block_size, _root(salt)
+        for i, blk in enumerate(blocks[:min(full, len(tokens) // size)]):
+            if blk in self.keys:
+                parent = self.keys[blk][0]
                 continue
-            self.digests[digest] = blk
-            self.keys[blk] = (digest, parent, block)
+            block = tuple(int(t) for t in tokens[i * size:(i + 1) * size])
+            digest = _digest(parent, block)
+            if digest not in self.digests:
+                self.digests[digest] = blk
+                self.keys[blk] = (digest, parent, block)
+            parent = digest
 
     def forget(self) -> None:
         """Forgets every remembered block (those no one holds are free again)."""
@@ -127,15 +134,23 @@ class BlockPool:
         self.keys.clear()
 
 
+def _root(salt: int) -> bytes:
+    """The digest a sequence's first block hashes as its parent: the policy version's."""
+    return hashlib.blake2b(f"version {salt}".encode(), digest_size=16).digest()
+
+
+def _digest(parent: bytes, block: tuple[int, ...]) -> bytes:
+    """A block's digest: of the block before's and its tokens (blake2b, 128 bits)."""
+    return hashlib.blake2b(parent + np.asarray(block, np.int64).tobytes(), digest_size=16).digest()
+
+
 def _chain(tokens: Sequence[int], block_size: int, salt: int, full: int):
     """(digest, the block before's digest, the block's tokens) of `tokens`' first `full`
-    full blocks: each digest hashes the one before and the block's tokens, the first
-    one's the policy version `salt` (blake2b, 128 bits)."""
-    parent = hashlib.blake2b(f"version {salt}".encode(), digest_size=16).digest()
+    full blocks, the first one's parent the policy version `salt`'s root."""
+    parent = _root(salt)
     for i in range(min(full, len(tokens) // block_size)):
         block = tuple(int(t) for t in tokens[i * block_size:(i + 1) * block_size])
-        digest = hashlib.blake2b(parent + np.asarray(block, np.int64).tobytes(),
-                                 digest_size=16).digest()
+        digest = _digest(parent, block)
         yield digest, parent, block
         parent = digest
 

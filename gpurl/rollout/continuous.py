@@ -93,8 +93,7 @@ class Group:
     def lags(self, step: int) -> np.ndarray:
         """How many versions each of its model tokens is behind `step`."""
         if self.episodes is not None:
-            return step - np.asarray([v for t in self.episodes.trajectories
-                                      for v in t.versions if v >= 0], np.int64)
+            return step - np.asarray(self.episodes.model_versions(), np.int64)
         return np.concatenate([step - self.done[i].versions for i in self.requests])
 
 

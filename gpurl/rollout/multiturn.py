@@ -172,10 +172,13 @@ class Episodes:
             return None
         return self._next(i)
 
+    def model_versions(self) -> list[int]:
+        """The policy version that sampled each model token of its trajectories."""
+        return [v for t in self.trajectories for v in t.versions if v >= 0]
+
     def oldest(self) -> int:
         """The policy version of the oldest model token of its trajectories (1 << 30: none)."""
-        return min((min((v for v in t.versions if v >= 0), default=1 << 30)
-                    for t in self.trajectories), default=1 << 30)
+        return min(self.model_versions(), default=1 << 30)
 
     def snapshot(self) -> dict:
         """The trajectories as plain data (for a checkpoint); `restore` rebuilds them."""
