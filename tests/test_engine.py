@@ -307,7 +307,7 @@ def test_new_weights_enter_between_chunks_and_stale_requests_start_over(gemma2: 
         assert _same(got[i], new_done[i]), i
 
 
-@pytest.mark.parametrize("setting", ["greedy", "nucleus"])
+@pytest.mark.parametrize("setting", ["greedy", pytest.param("nucleus", marks=pytest.mark.slow)])
 def test_the_prefix_cache_changes_no_token_and_no_logprob(gemma2: Tiny, setting: str) -> None:
     """With and without the prefix cache (fp32): a group of 6 completions of one prompt
     through 2 slots (the later ones find the prompt's blocks in the cache), and 3-turn
