@@ -19,7 +19,7 @@ from gpurl.models.tokenizer import Tokenizer
 from gpurl.data.sources import load_prompts, read_jsonl
 from gpurl.rollout.decode import stop_token_ids, truncate
 from gpurl.rollout.multiturn import EnvFactory, Episodes
-from gpurl.rollout.prompts import encode_prompt
+from gpurl.rollout.prompts import encode_prompt, prompt_tools
 from gpurl.rollout.engine import Engine
 from gpurl.train.restore import restore_run
 
@@ -141,8 +141,9 @@ def _trajectories(cfg: GenerateConfig, sampler_for,
     count, rank = runtime.process_count(), runtime.process_index()
     per = -(-len(flat) // count)
     mine = flat[rank * per:(rank + 1) * per]
+    tools = prompt_tools(cfg.env)  # the schemas a chat prompt shows
     requests = [engine.request(encode_prompt(tokenizer, row.get("messages") or row["prompt"],
-                                             cfg.chat_template), cfg.seed + i)
+                                             cfg.chat_template, tools), cfg.seed + i)
                 for row, i in mine]
     episodes = Episodes(EnvFactory(cfg.env), tokenizer, _stops(cfg), cfg.env.max_tokens,
                         cfg.rollout.max_new_tokens, engine.routes_shape)

@@ -3,7 +3,8 @@
 A tool is a function of keyword arguments returning something printable (`str()` of it
 is what the model reads). Its schema is `fn.schema` when the function carries one, else
 it is derived from the signature and the docstring. User tools load by
-"pkg.module:function" (`env.tools`), built-in ones by name.
+"pkg.module:function" (`env.tools`), built-in ones by name. The model sees the schemas
+through the chat template (`Tool.function`, `gpurl.rollout.prompts.prompt_tools`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ class Tool:
     fn: Callable[..., Any]
     schema: dict  # {"name", "description", "parameters": JSON schema of the arguments}
 
+    @property
+    def function(self) -> dict:
+        """The schema as chat templates read it (HF `apply_chat_template(tools=...)`, the
+        OpenAI function format): {"type": "function", "function": {"name", ...}}, named
+        as calls to it are looked up."""
+        return {"type": "function", "function": {**self.schema, "name": self.name}}
+
     def check(self, arguments: dict[str, Any]) -> None:
         """Raises ToolCallError (read by the model) when the arguments do not fit."""
         params = self.schema.get("parameters", {})
@@ -43,9 +51,12 @@ class Tool:
 
 
 def schema_of(fn: Callable[..., Any], name: str) -> dict:
-    """`fn.schema`, or a JSON schema from its signature (annotated types) and docstring."""
-    if isinstance(getattr(fn, "schema", None), dict):
-        return fn.schema
+    """`fn.schema` ({"name", "description", "parameters"}, or that wrapped as
+    {"type": "function", "function": {...}}), or a JSON schema from its signature
+    (annotated types) and docstring."""
+    given = getattr(fn, "schema", None)
+    if isinstance(given, dict):
+        return given["function"] if isinstance(given.get("function"), dict) else given
     props, required = {}, []
     try:  # annotations may be strings (`from __future__ import annotations`)
         hints = typing.get_type_hints(fn)

@@ -64,12 +64,18 @@ def _compile(template: str) -> jinja2.Template:
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool,
-                         bos_token: str = "", eos_token: str = "") -> str:
-    """Render `messages` ([{"role", "content"}, ...]) through a Jinja chat template."""
+                         bos_token: str = "", eos_token: str = "",
+                         tools: list[dict] | None = None) -> str:
+    """Render `messages` ([{"role", "content"}, ...]) through a Jinja chat template.
+
+    `tools`: function schemas ({"type": "function", "function": {"name", "description",
+    "parameters"}}) the template shows the model, as HF `apply_chat_template(tools=...)`
+    passes them; None (no tools) is passed as None too, since templates such as Llama
+    3.1's render an empty tool section for `tools=[]`."""
     compiled = _compile(template)
     try:
         return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token, eos_token=eos_token)
+                               bos_token=bos_token, eos_token=eos_token, tools=tools)
     except TemplateRaised as e:
         raise ConfigError(
             f"The chat template rejected a conversation ({e}); fix the messages in the "

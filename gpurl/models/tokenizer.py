@@ -65,14 +65,17 @@ class Tokenizer:
         ids_T = ids_T[(ids_T >= 0) & (ids_T < self.vocab_size)]
         return self.tok.decode(ids_T.tolist(), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """Render a conversation to text with this tokenizer's chat template."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tools: list[dict] | None = None) -> str:
+        """Render a conversation to text with this tokenizer's chat template (`tools`: the
+        function schemas it shows the model, as in HF `apply_chat_template`)."""
         if self.chat_template is None:
             raise ConfigError(
                 "This tokenizer has no chat template; add chat_template to its "
                 "tokenizer_config.json or set data.chat_template=false.")
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                    bos_token=self.bos_token, eos_token=self.eos_token)
+                                    bos_token=self.bos_token, eos_token=self.eos_token,
+                                    tools=tools)
 
 
 def byte_tokenizer() -> Tokenizer:

@@ -34,7 +34,7 @@ from gpurl.plan.memory import device_memory
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.collect import Collector, Shaping
 from gpurl.rollout.rounds import Rounds, rollout_engine
-from gpurl.rollout.prompts import Prompts, encode_prompts
+from gpurl.rollout.prompts import Prompts, encode_prompts, prompt_tools
 from gpurl.rollout.requests import prompt_width
 from gpurl.rollout.sources import batch_source
 from gpurl.rollout.weights import PolicyWeights
@@ -68,7 +68,7 @@ class RLStepper(RLPrograms, Stepper):
                  memory: float = float("inf")):
         self.setup, self.algo, self.train, self.rollout = setup, algo, train, rollout
         spec, place = setup.spec, setup.place
-        self.prompts, self.evals, self.skipped = _prompts(data, setup)
+        self.prompts, self.evals, self.skipped = _prompts(data, setup, env)
         self.has_eval = self.evals is not None
         self.frozen = setup.frozen  # the reference, a reward model, a teacher (loaded late)
         # With an environment its reward is the task's; reward functions apply when named.
@@ -194,13 +194,16 @@ class RLStepper(RLPrograms, Stepper):
                                     self.train.eval_batch_size, self.train.seed)
 
 
-def _prompts(data: DataConfig, setup: Setup) -> tuple[Prompts, Prompts | None, int]:
-    """(train prompts, held-out prompts or None, how many were too long and skipped)."""
+def _prompts(data: DataConfig, setup: Setup,
+             env: EnvConfig | None) -> tuple[Prompts, Prompts | None, int]:
+    """(train prompts, held-out prompts or None, how many were too long and skipped);
+    chat prompts show the environment's tools."""
     train_rows, eval_rows = load_prompts(data)
+    tools = prompt_tools(env)
     train, skipped = encode_prompts(train_rows, setup.tokenizer, data.chat_template,
-                                    data.max_len, "train")
+                                    data.max_len, "train", tools)
     if not eval_rows:
         return train, None, skipped
     evals, eval_skipped = encode_prompts(eval_rows, setup.tokenizer, data.chat_template,
-                                         data.max_len, "eval")
+                                         data.max_len, "eval", tools)
     return train, evals, skipped + eval_skipped
