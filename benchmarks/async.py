@@ -63,13 +63,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", default="", help="write the time lines here (PNG)")
     p.add_argument("--json", default="", help="also write the table here")
     p.add_argument("overrides", nargs="*", help="more `gpurl train` overrides (after --)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup, args.tokens = 2, 1, 16
+    return args
 
 
 def overrides(args: argparse.Namespace, mode: str) -> list[str]:
     model = ["model=tiny", "model.tokenizer=bytes", "data=arithmetic"] if args.smoke else []
-    return [*model, "mesh.placement=split", "mesh.rollout_devices=1", "train.eval_every=0",
-            "data.num_eval=0", "train.checkpoint_every=0", f"rollout.max_new_tokens={args.tokens}",
+    # smoke: half of the test's 4 host devices each side (the full run: 1 and 1 of 2)
+    rollout_devices = max(1, jax.device_count() // 2) if args.smoke else 1
+    return [*model, "mesh.placement=split", f"mesh.rollout_devices={rollout_devices}",
+            "train.eval_every=0", "data.num_eval=0", "train.checkpoint_every=0",
+            f"rollout.max_new_tokens={args.tokens}",
             f"train.steps={args.warmup + args.steps}", "plan.check=false", "logger.progress=false",
             *MODES[mode], *args.overrides]
 

@@ -46,7 +46,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "platform runs (cudnn only on GPUs)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default="", help="also write the rows and settings here")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes on CPU, in seconds: checks the script end to end")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.batch, args.seq, args.cache, args.decode_batch = 1, 32, 64, 2
+        args.heads, args.kv_heads, args.head_dim, args.dtype, args.repeats = 2, 1, 16, "float32", 1
+    return args
 
 
 def visible_pairs(t: int, s: int, window: int) -> int:

@@ -12,6 +12,7 @@ split costs in collectives and duplicated work on one machine, not what a GPU ga
 
     python benchmarks/context.py                  # 4 x 4 completions of 4,096 tokens
     python benchmarks/context.py --tokens 1024 --repeats 1   # a quick look
+    python benchmarks/context.py --smoke                     # tiny sizes, seconds
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--width", type=int, default=256, help="model.d_model")
     p.add_argument("--repeats", type=int, default=3, help="timed train phases per width")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, in seconds: checks the script end to end")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.prompts, args.group, args.width, args.repeats = 32, 4, 2, 32, 1
+    return args
 
 
 class Width:

@@ -4,6 +4,7 @@ into Python dicts (`pandas.read_parquet(...).to_dict("records")`, what a list-ba
 holds). Each reader runs in a fresh process; peak RSS is VmHWM, reset before reading.
 
     .venv/bin/python benchmarks/data_load.py --rows 1000000
+    .venv/bin/python benchmarks/data_load.py --smoke     # 1,000 rows once: the script runs
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 READERS = {
     "gpurl load_prompts": (
@@ -39,11 +41,14 @@ print(seconds, hwm / 2**20)
 """
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="1,000 rows once: the script runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rows, args.repeats = 1000, 1
     tmp = Path(tempfile.mkdtemp())
     path = str(tmp / "big.parquet")
     import datasets

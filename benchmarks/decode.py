@@ -10,11 +10,11 @@ bound. Decode time is separated from the prefill by timing the same call with 1 
 the median of `--repeats` calls after a compiling call.
 
 Peak bandwidth comes from the GPU's name (nvidia-smi; H200 4.8 TB/s, H100 SXM 3.35 TB/s)
-or `--peak-bw-tbs`. `--cpu-smoke` runs a tiny model on CPU to check the script end to end
-(no bound is reported there unless `--peak-bw-tbs` is given).
+or `--peak-bw-tbs`. `--smoke` (alias `--cpu-smoke`) runs a tiny model on CPU to check the
+script end to end (no bound is reported there unless `--peak-bw-tbs` is given).
 
     python benchmarks/decode.py --model gemma2b --batch 256 --json decode.json   # GPU
-    python benchmarks/decode.py --cpu-smoke --json /tmp/decode.json
+    python benchmarks/decode.py --smoke --json /tmp/decode.json
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="peak memory bandwidth in TB/s; default: from the GPU's name")
     p.add_argument("--sampling-layers", default="auto", choices=["auto", "scan", "unrolled"],
                    help="model.sampling_layers (auto: unrolled on accelerators, a scan on CPU)")
-    p.add_argument("--cpu-smoke", action="store_true",
+    p.add_argument("--smoke", "--cpu-smoke", action="store_true",
                    help="tiny model, batch 8, 8 + 8 tokens, on CPU: checks the script runs")
     p.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "gpurl_decode.json"))
     args = p.parse_args(argv)
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2 (decode time = t(N) - t(1)).")
-    if args.cpu_smoke:
+    if args.smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"
         args.model, args.dtype, args.batch = "tiny", "float32", 8
         args.prompt_tokens, args.new_tokens, args.repeats = 8, 8, 2

@@ -13,6 +13,9 @@ processes, gloo collectives); the table gives the median `time/step_s` after the
 (compiling) step and its phases.
 
     python benchmarks/distributed.py --model gemma3_270m --json dist.json
+    # tiny model, 2 steps, 1 process colocated only (2 processes take 90 s on 2 cores; the
+    # multiprocess test tier launches them): the script runs
+    python benchmarks/distributed.py --smoke
 """
 
 from __future__ import annotations
@@ -27,15 +30,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-GRPO_ARGS = ["algo=grpo", "model=tiny", "model.tokenizer=bytes", "model.d_model=256",
-             "model.num_layers=4", "model.mlp_dim=1024", "model.head_dim=64",
-             "data=arithmetic", "data.num_train=256", "data.num_eval=8", "data.max_len=16",
+GRPO_ARGS = ["algo=grpo", "model=tiny", "model.tokenizer=bytes", "data=arithmetic", "data.num_train=256", "data.num_eval=8", "data.max_len=16",
              "optim=adamw", "optim.lr=1e-3", "optim.warmup_steps=0", "optim.decay=constant",
              "train=default", "train.batch_size=8", "train.eval_every=0",
              "train.checkpoint_every=0", "train.eval_pass_k=0", "rollout=default",
              "rollout.max_new_tokens=16", "algo.num_generations=4", "logger.progress=false"]
+WIDER = ["model.d_model=256", "model.num_layers=4", "model.mlp_dim=1024", "model.head_dim=64"]
 
 
 def sync_times(model: str, devices: int, repeats: int) -> list[dict[str, Any]]:
@@ -85,9 +87,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_overhead(steps: int, placement: str) -> list[dict[str, Any]]:
+def process_overhead(steps: int, placement: str, size: list[str],
+                     counts: Sequence[int] = (1, 2)) -> list[dict[str, Any]]:
     rows = []
-    for processes in (1, 2):
+    for processes in counts:
         with tempfile.TemporaryDirectory() as tmp:
             env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}",
                        JAX_PLATFORMS="cpu")
@@ -101,7 +104,7 @@ def process_overhead(steps: int, placement: str) -> list[dict[str, Any]]:
                          f"distributed.num_processes={processes}", f"distributed.process_id={i}"]
                         if processes > 1 else [])
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "gpurl.cli", "train", *GRPO_ARGS, *extra_mesh,
+                    [sys.executable, "-m", "gpurl.cli", "train", *GRPO_ARGS, *size, *extra_mesh,
                      f"train.steps={steps}", f"run.dir={tmp}/run", *dist],
                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             codes = [p.wait() for p in procs]
@@ -117,14 +120,21 @@ def process_overhead(steps: int, placement: str) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma3_270m", help="model preset for the sync timing")
     parser.add_argument("--devices", type=int, default=2, help="host devices for the sync timing")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=12, help="GRPO steps per launch")
     parser.add_argument("--json", help="also write the tables here")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the tiny model, 1 sync, 2 steps, "
+                        "1 process colocated only: checks the script end to end in seconds")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.devices, args.repeats, args.steps = "tiny", 2, 1, 2
+    placements = ("colocated",) if args.smoke else ("colocated", "split")
+    size = [] if args.smoke else WIDER
+    counts = (1,) if args.smoke else (1, 2)
 
     sync = sync_times(args.model, args.devices, args.repeats)
     print(f"\nWeight sync, {args.model}, fp32, {args.devices} host devices")
@@ -133,7 +143,7 @@ def main() -> None:
     for r in sync:
         print(f"| {r['placement']} | {r['params']:,} | {r['gb']:.2f} | {r['trainer_devices']} / "
               f"{r['rollout_devices']} | {r['median_s']:.3f} | {r['gb_per_s']:.1f} |")
-    overhead = process_overhead(args.steps, "colocated") + process_overhead(args.steps, "split")
+    overhead = [row for p in placements for row in process_overhead(args.steps, p, size, counts)]
     print(f"\nGRPO step, 1 process x 4 devices vs 2 processes x 2 devices ({args.steps} steps, "
           f"median after the first)")
     print("| placement | processes | step s | rollout s | reward s | train s | sync s | wall s |")

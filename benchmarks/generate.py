@@ -14,6 +14,7 @@ one), so a machine shared with other work slows both alike and the ratio stays m
 the table reports medians, and the same from each cell's fastest call ("best").
 
     python benchmarks/generate.py --batches 1,8,32 --new-tokens 64 --repeats 3 --json out.json
+    python benchmarks/generate.py --smoke   # the tiny random model (transformers: its HF export)
 """
 
 from __future__ import annotations
@@ -100,9 +101,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--impls", default="gpurl,transformers", help="subset of gpurl,transformers")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch.set_num_threads (default: the cores this process may use)")
+    p.add_argument("--smoke", action="store_true", help="the tiny random model (transformers "
+                   "loads gpurl's HF export of it), batch 2, 8 + 8 tokens: the script runs")
     p.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "gpurl_generate.json"),
                    help="where to write the results as JSON")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.batches, args.new_tokens, args.prompt_tokens, args.repeats = "2", 8, 8, 1
     args.batches = [int(b) for b in args.batches.split(",")]
     args.modes = args.modes.split(",")
     args.impls = args.impls.split(",")
@@ -141,14 +146,35 @@ def load_gpurl(path: str) -> tuple[Any, Any, Any, Any]:
     return spec, mesh, rules, params
 
 
-def gpurl_runner(path: str) -> Runner:
-    """Loads the GGUF into gpurl; returns run(prompts, temperature, seed, new_tokens)."""
+def load_tiny(hf_dir: Path) -> tuple[Any, Any, Any, Any]:
+    """(spec, rollout mesh, sampling rules, parameters) of the tiny random model (fp32),
+    exported to `hf_dir` too (transformers' copy of the same weights)."""
+    import jax
+
+    from gpurl.cli.compose import validate
+    from gpurl.config import MeshConfig
+    from gpurl.distributed.mesh import rollout_mesh, tree_shardings
+    from gpurl.models import model_spec
+    from gpurl.models.hf_export import export_hf
+
+    cfg = validate(["model=tiny", "model.dtype=float32", "model.param_dtype=float32"]).model
+    spec, mesh_cfg = model_spec(cfg), MeshConfig()
+    mesh, rules = rollout_mesh(mesh_cfg), mesh_cfg.sample_rules
+    shardings = tree_shardings(spec.abstract_params, spec.logical_axes, rules, mesh)
+    params = jax.jit(lambda: spec.init(0), out_shardings=shardings)()
+    export_hf(params, cfg, hf_dir)
+    return spec, mesh, rules, params
+
+
+def gpurl_runner(model: tuple[Any, Any, Any, Any]) -> Runner:
+    """gpurl's sampler on `model` (`load_gpurl`'s or `load_tiny`'s); returns run(prompts,
+    temperature, seed, new_tokens)."""
     import jax
 
     from gpurl.config import RolloutConfig
     from gpurl.rollout.static import StaticSampler
 
-    spec, mesh, rules, params = load_gpurl(path)
+    spec, mesh, rules, params = model
     sampler = StaticSampler(spec, RolloutConfig(top_k=0, top_p=1.0), mesh, rules, stop_ids=(), pad_id=0)
 
     def run(prompts: list[list[int]], temperature: float, seed: int, new_tokens: int) -> None:
@@ -185,16 +211,19 @@ def shared_gguf_parse() -> Iterator[None]:
 
 
 def transformers_runner(path: str, threads: int) -> Runner:
-    """Loads the same GGUF with transformers' own loader; returns run(prompts, temperature,
-    seed, new_tokens)."""
+    """Loads the same GGUF with transformers' own loader (or an HF directory: the tiny
+    model's export); returns run(prompts, temperature, seed, new_tokens)."""
     import torch
     import transformers
 
     torch.set_num_threads(threads)
     file = Path(path)
-    with shared_gguf_parse():
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    if file.is_dir():
+        model = transformers.AutoModelForCausalLM.from_pretrained(file, dtype=torch.float32).eval()
+    else:
+        with shared_gguf_parse():
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                file.parent, gguf_file=file.name, dtype=torch.float32).eval()
     # generate() fills unset (None) options from the model's generation config, so EOS is
     # removed there; every row then runs to max_new_tokens, as in gpurl.
     model.generation_config.eos_token_id = None
@@ -214,6 +243,12 @@ def transformers_runner(path: str, threads: int) -> Runner:
 
 
 # ---------------------------------------------------------------------------- driver
+
+
+def _importable(*names: str) -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(n) is not None for n in names)
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -282,30 +317,50 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
-    import jax
-    import torch
-    import transformers
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu,
             "cores": len(os.sched_getaffinity(0)), "torch_threads": args.threads,
-            "load_average": os.getloadavg(), "jax": jax.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
+            "load_average": os.getloadavg(), "jax": installed("jax"), "torch": installed("torch"),
+            "transformers": installed("transformers"), "python": platform.python_version(),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    from gpurl.models.gguf import default_gemma3_270m_path
-    from gpurl.models.gguf_tokenizer import tokenizer_from_gguf
+    with tempfile.TemporaryDirectory(prefix="gpurl_generate_") as tmp:
+        run(args, Path(tmp))
 
-    path = default_gemma3_270m_path()
-    tokenizer = tokenizer_from_gguf(path)
+
+def run(args: argparse.Namespace, tmp: Path) -> None:
+    if args.smoke:
+        from gpurl.models.tokenizer import byte_tokenizer
+
+        path, tokenizer = str(tmp / "tiny-hf"), byte_tokenizer()
+        tiny = load_tiny(Path(path))  # written first: transformers loads its export
+        load = lambda: tiny  # noqa: E731
+        if "transformers" in args.impls and not _importable("torch", "transformers"):
+            print("transformers: skipped: torch or transformers is not installed")
+            args.impls.remove("transformers")
+    else:
+        from gpurl.models.gguf import default_gemma3_270m_path
+        from gpurl.models.gguf_tokenizer import tokenizer_from_gguf
+
+        path = default_gemma3_270m_path()
+        tokenizer = tokenizer_from_gguf(path)
+        load = lambda: load_gpurl(path)  # noqa: E731
     prompts = {b: make_prompts(tokenizer, b, args.prompt_tokens) for b in args.batches}
     runners, load_s = {}, {}
     if "gpurl" in args.impls:
-        load_s["gpurl"] = timed(lambda: runners.update(gpurl=gpurl_runner(path)))
+        load_s["gpurl"] = timed(lambda: runners.update(gpurl=gpurl_runner(load())))
     if "transformers" in args.impls:
         load_s["transformers"] = timed(
             lambda: runners.update(transformers=transformers_runner(path, args.threads)))

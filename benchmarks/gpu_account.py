@@ -8,14 +8,17 @@ account, never a measurement.
 
     PYTHONPATH=.venv/gpu-compiler python benchmarks/gpu_account.py            # all runs (~10 min)
     PYTHONPATH=.venv/gpu-compiler python benchmarks/gpu_account.py qwen3_1_7b  # one
+    python benchmarks/gpu_account.py --smoke   # the tiny model (a note where no compiler is)
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["algo=grpo", "plan.target=h100", "data.num_eval=0"]
@@ -37,6 +40,8 @@ RUNS = {
                       "rollout.max_new_tokens=1024", "model.lora.rank=16",
                       "model.moe.capacity_factor=2"],
 }
+SMOKE_RUN = ["model=tiny", "data=arithmetic", "train.batch_size=4", "algo.num_generations=2",
+             "rollout.max_new_tokens=16"]
 ACCOUNT = re.compile(r"compiler's account, (.+?) per (.+?): ([\d.]+) TFLOP, ([\d.]+) GB of HBM")
 IDEAL = re.compile(r"ideal \((.+?)\): .+? -> (.+?) the ideal")
 ROOF = re.compile(r"roofline on .+?: ([\d.]+) ms \((\w+)-bound\)(?:; <= ([\d,]+) tokens/s per GPU)?")
@@ -68,10 +73,23 @@ def rows(name: str, stdout: str) -> list[dict]:
     return out
 
 
-def main(names: list[str]) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="*", help=f"some of {', '.join(RUNS)} (default: every one)")
+    p.add_argument("--smoke", action="store_true", help="the tiny model's plan: the script runs")
+    args = p.parse_args(argv)
+    if set(args.runs) - set(RUNS):
+        p.error(f"unknown runs {sorted(set(args.runs) - set(RUNS))}; choose from {', '.join(RUNS)}.")
+    runs = {"tiny": SMOKE_RUN} if args.smoke else {n: RUNS[n] for n in args.runs or RUNS}
+    if args.smoke:
+        from gpurl.plan.targets import compiler_installed
+
+        if not compiler_installed():
+            print("gpu_account: skipped: XLA's GPU compiler (the gpu-plan extra) is not installed")
+            return
     table, bounds = [], {}
-    for name in names:
-        stdout = plan(RUNS[name])
+    for name, overrides in runs.items():
+        stdout = plan(overrides)
         table += rows(name, stdout)
         bounds[name] = (m[1] if (m := BOUND.search(stdout)) else "")
     print("| run | program | per | TFLOP | HBM GB | vs ideal | roofline ms | bound | <= tokens/s/GPU |")
@@ -85,4 +103,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(RUNS))
+    main()

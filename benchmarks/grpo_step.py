@@ -10,7 +10,7 @@ sampler/trainer mismatch (`mismatch/*`, medians over the same steps) comes along
 
     python benchmarks/grpo_step.py --json grpo.json                     # the main job
     python benchmarks/grpo_step.py --json grpo.json -- model=gemma2b train.batch_size=16
-    python benchmarks/grpo_step.py --cpu-smoke                          # tiny model, CPU
+    python benchmarks/grpo_step.py --smoke                              # tiny model, CPU
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=6, help="steps to run (warm-up included)")
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU, 3 steps")
+    p.add_argument("--smoke", "--cpu-smoke", action="store_true", help="tiny model on CPU, 2 steps")
     p.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "gpurl_grpo_step.json"))
     p.add_argument("overrides", nargs="*", help="Hydra overrides for `gpurl train` (after --)")
     args = p.parse_args(argv)
-    if args.cpu_smoke:
-        args.steps, args.overrides = 3, SMOKE + args.overrides
+    if args.smoke:
+        args.steps, args.overrides = 2, SMOKE + args.overrides
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup: at least one timed step is needed.")
     return args
@@ -56,7 +56,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    env = dict(os.environ, **({"JAX_PLATFORMS": "cpu"} if args.cpu_smoke else {}))
+    env = dict(os.environ, **({"JAX_PLATFORMS": "cpu"} if args.smoke else {}))
     with tempfile.TemporaryDirectory(prefix="gpurl_grpo_step_") as tmp:
         run_dir = Path(tmp) / "run"
         command = [sys.executable, "-c", "import sys; from gpurl.cli import main; sys.exit(main())",

@@ -46,7 +46,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-run-gb", type=float, default=8.0,
                    help="run (time) a case only if its analysed peak fits under this")
     p.add_argument("--json", default="", help="also write the rows and settings here")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes on CPU, in seconds: checks the script end to end")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.vocab, args.dim, args.rows, args.tokens, args.repeats = 512, 32, 2, "64", 1
+        args.chunk_sizes = "16"  # several chunks: the loop runs
+    return args
 
 
 def head(w_VxD: jax.Array, hidden_NxD: jax.Array) -> jax.Array:

@@ -9,6 +9,7 @@ the Orbax directory of the final step (parameters, Adam moments, step and RNG). 
 matters is `peak_device_memory_gb` from the run's summary.json, reported when present.
 
     python benchmarks/lora.py --steps 4 --json lora.json
+    python benchmarks/lora.py --smoke      # the tiny random model, 2 steps: the script runs
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 CONFIGS = {"full fine-tuning": [], "LoRA r=16": ["model.lora.rank=16", "model.lora.alpha=32"]}
+MODEL = ["model=gemma3_270m"]
+SMOKE_MODEL = ["model=tiny", "model.tokenizer=bytes", "data=arithmetic"]
 
 
 def run(name: str, extra: list[str], steps: int, root: Path) -> dict[str, Any]:
     run_dir = root / name.replace(" ", "_").replace("=", "")
-    args = ["algo=grpo", "model=gemma3_270m", f"train.steps={steps}", "train.eval_every=0",
+    args = ["algo=grpo", f"train.steps={steps}", "train.eval_every=0",
             "train.checkpoint_every=0", "data.num_eval=0", "logger.progress=false",
             f"run.dir={run_dir}", *extra]
     proc = subprocess.Popen([sys.executable, "-m", "gpurl.cli", "train", *args],
@@ -47,13 +50,17 @@ def run(name: str, extra: list[str], steps: int, root: Path) -> dict[str, Any]:
             "checkpoint_mb": round(ckpt / 2**20, 2)}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="the tiny random model, 2 steps: checks the script end to end")
+    args = parser.parse_args(argv)
+    model = SMOKE_MODEL if args.smoke else MODEL
+    steps = 2 if args.smoke else args.steps
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run(name, extra, args.steps, Path(tmp)) for name, extra in CONFIGS.items()]
+        rows = [run(name, [*model, *extra], steps, Path(tmp)) for name, extra in CONFIGS.items()]
     print("| config | parameters | peak host memory (GB) | step (s) | checkpoint (MB) |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:

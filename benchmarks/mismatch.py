@@ -19,6 +19,7 @@ variant). After: gpurl's head, bf16 operands with fp32 accumulation and output
 
     python benchmarks/mismatch.py cpu --steps 4 --runs 2
     PYTHONPATH=.venv/gpu-compiler python benchmarks/mismatch.py account
+    python benchmarks/mismatch.py --smoke   # both parts, the cpu one on the tiny random model
 """
 
 from __future__ import annotations
@@ -178,6 +179,19 @@ def account(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def smoke(args: argparse.Namespace) -> None:
+    """Both parts at tiny sizes; the account only where XLA's GPU compiler is installed."""
+    from gpurl.plan.targets import compiler_installed
+
+    args.steps, args.runs, args.models = 3, 1, ["gemma3_270m"]
+    args.extra = ["model=tiny", "model.tokenizer=bytes", "data=arithmetic", *args.extra]
+    cpu(args)
+    if compiler_installed():
+        account(args)
+    else:
+        print("account: skipped: XLA's GPU compiler (the gpu-plan extra) is not installed")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "child":  # `gpurl` with the head chosen: child HEAD -- ARGS
@@ -189,13 +203,19 @@ def main(argv: list[str] | None = None) -> None:
             run()
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=("cpu", "account"))
+    p.add_argument("part", nargs="?", choices=("cpu", "account"), help="--smoke: both")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--models", nargs="+", default=list(SIZES))
     p.add_argument("--json", type=Path, help="write the table here too")
     p.add_argument("extra", nargs="*", help="more gpurl overrides for the cpu part")
+    p.add_argument("--smoke", action="store_true", help="both parts, in seconds: the cpu part on "
+                   "the tiny random model (1 run x 3 steps), the account on gemma3_270m's head")
     args = p.parse_args(argv)
+    if args.smoke:
+        return smoke(args)
+    if args.part is None:
+        p.error("name the part: cpu or account (or --smoke).")
     out = cpu(args) if args.part == "cpu" else account(args)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -5,6 +5,7 @@ sampler-vs-trainer log-prob gap in bf16.
     python benchmarks/moe.py steps --repeats 5 --json moe_steps.json   # ~3 min on 2 cores
     python benchmarks/moe.py replay --steps 4 --json moe_replay.json   # ~2 min
     python benchmarks/moe.py kernel --json moe_kernel.json             # GPU: ~1 min
+    python benchmarks/moe.py --smoke     # all three at tiny sizes (replay: 2 steps): the script runs
 
 `steps`: one SFT train step (forward, next-token loss, backward; no optimizer) of a small
 decoder whose MLPs are 16 experts of width 256 with 2 per token (active MLP width 512)
@@ -51,9 +52,13 @@ BASE = dict(family="qwen3_moe", vocab_size=4096, d_model=256, num_layers=4, num_
             remat="none")
 
 
-def _models(experts: int, top_k: int, expert_width: int) -> dict[str, ModelConfig]:
+SMOKE_BASE = {**BASE, "vocab_size": 256, "d_model": 32, "num_layers": 1, "head_dim": 8}
+
+
+def _models(experts: int, top_k: int, expert_width: int,
+            base: dict[str, Any] = BASE) -> dict[str, ModelConfig]:
     active = top_k * expert_width
-    moe = ModelConfig(**BASE, mlp_dim=active,
+    moe = ModelConfig(**base, mlp_dim=active,
                       moe=MoEConfig(num_experts=experts, experts_per_token=top_k,
                                     expert_mlp_dim=expert_width, aux_loss_coef=0.0))
     return {f"moe {experts}x{expert_width} top-{top_k} (tiled)": moe,
@@ -79,7 +84,7 @@ def _step(cfg: ModelConfig, batch: int, seq: int):
 
 
 def run_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
-    configs = _models(args.experts, args.top_k, args.expert_width)
+    configs = _models(args.experts, args.top_k, args.expert_width, getattr(args, "base", BASE))
     steps = {}
     for name, cfg in configs.items():
         t0 = time.perf_counter()
@@ -154,14 +159,14 @@ def run_kernel(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _grpo(replay: bool, steps: int, out: Path) -> list[dict]:
+def _grpo(replay: bool, steps: int, new_tokens: int, out: Path) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     cmd = [sys.executable, "-m", "gpurl.cli", "train", "algo=grpo", "model=tiny_moe",
            "model.dtype=bfloat16", "model.init_std=0.1", f"model.moe.replay_routing={replay}",
            f"train.steps={steps}", "train.batch_size=4", "train.eval_every=0",
            "train.checkpoint_every=0", "data.num_train=64", "data.num_eval=0",
-           "rollout.max_new_tokens=32", "logger.progress=false", f"run.dir={out}"]
+           f"rollout.max_new_tokens={new_tokens}", "logger.progress=false", f"run.dir={out}"]
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -170,7 +175,7 @@ def run_replay(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for replay in (False, True):
-            for r in _grpo(replay, args.steps, Path(tmp) / str(replay)):
+            for r in _grpo(replay, args.steps, args.new_tokens, Path(tmp) / str(replay)):
                 if "mismatch/logprob_abs_mean" in r:
                     rows.append({"replay": replay, "step": r["step"],
                                  "gap": r["mismatch/logprob_abs_mean"],
@@ -186,9 +191,19 @@ def run_replay(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def smoke() -> None:
+    """The three parts at tiny sizes, one after another."""
+    ns = argparse.Namespace
+    run_steps(ns(experts=4, top_k=2, expert_width=16, batch=2, seq=16, repeats=1, base=SMOKE_BASE))
+    run_replay(ns(steps=2, new_tokens=8))
+    run_kernel(ns(rows=[64], d_model=32, expert_width=16, experts=4, repeats=1))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="what", required=True)
+    parser.add_argument("--smoke", action="store_true",
+                        help="steps, replay and kernel at tiny sizes: checks the script end to end")
+    sub = parser.add_subparsers(dest="what")
     steps = sub.add_parser("steps")
     steps.add_argument("--experts", type=int, default=16)
     steps.add_argument("--top-k", type=int, default=2)
@@ -198,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     steps.add_argument("--repeats", type=int, default=5)
     replay = sub.add_parser("replay")
     replay.add_argument("--steps", type=int, default=4)
+    replay.add_argument("--new-tokens", type=int, default=32, help="rollout.max_new_tokens")
     kernel = sub.add_parser("kernel")
     kernel.add_argument("--rows", type=int, nargs="+", default=[512, 16384],
                         help="token copies per call (decode-sized, train-sized)")
@@ -208,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for p in (steps, replay, kernel):
         p.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.smoke:
+        return smoke()
+    if args.what is None:
+        parser.error("name what to run: steps, replay or kernel (or --smoke).")
     rows = {"steps": run_steps, "replay": run_replay, "kernel": run_kernel}[args.what](args)
     if args.json:
         args.json.write_text(json.dumps({

@@ -13,7 +13,7 @@ Rows sample at temperature 1 with their own seeds (so a group's trajectories dif
 the greedy tokens of both engines are checked equal first (log-probs to float32 rounding).
 
     python benchmarks/multiturn.py                     # Gemma 3 270M, 8 turns
-    python benchmarks/multiturn.py --cpu-smoke         # tiny random model: the script runs
+    python benchmarks/multiturn.py --smoke             # tiny random model: the script runs
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--obs-tokens", type=int, default=64, help="tokens of each observation")
     p.add_argument("--turn-tokens", type=int, default=24, help="tokens the model writes per turn")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per engine (median)")
-    p.add_argument("--cpu-smoke", action="store_true",
+    p.add_argument("--smoke", "--cpu-smoke", action="store_true",
                    help="tiny random model, 3 turns of a few tokens: checks the script runs")
     p.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "gpurl_multiturn.json"))
     args = p.parse_args(argv)
-    if args.cpu_smoke:
+    if args.smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"
         args.turns, args.rows, args.group, args.repeats = 3, 4, 2, 1
         args.prompt_tokens, args.obs_tokens, args.turn_tokens = 12, 10, 4
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from gpurl.config import RolloutConfig
     from gpurl.rollout.engine import Engine
 
-    spec, mesh, rules, params, prompt, obs = load(args.cpu_smoke)
+    spec, mesh, rules, params, prompt, obs = load(args.smoke)
     observation = (obs * (args.obs_tokens // max(len(obs), 1) + 1))[:args.obs_tokens]
     prompts = [prompt[:args.prompt_tokens - 1] + [100 + g] for g in range(args.rows // args.group)
                for _ in range(args.group)]
@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     speedup = rows[1]["rollout_s"] / rows[0]["rollout_s"]
     print(f"\n{args.turns} turns, {args.rows} trajectories ({args.group} per prompt), prompt "
           f"{args.prompt_tokens}, observations {args.obs_tokens}, turns of {args.turn_tokens} "
-          f"tokens ({'tiny model' if args.cpu_smoke else 'Gemma 3 270M fp32'}, sampled, "
+          f"tokens ({'tiny model' if args.smoke else 'Gemma 3 270M fp32'}, sampled, "
           f"median of {args.repeats})")
     print("| prefix cache | rollout s | prefill s | decode s | prefill tokens | / new tokens | hit rate |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

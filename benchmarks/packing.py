@@ -59,7 +59,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu", default="", help="compile for this GPU kind (h100, ...) instead")
     p.add_argument("--json", default="", help="also write the table here")
     p.add_argument("overrides", nargs="*", help="more `gpurl train` overrides (after --)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:  # micro-batches of 4 prompts: whole on 4 host devices too
+        args.repeats, args.micro = 1, 4
+    return args
 
 
 def lengths(prompts: int, longest: int, seed: int = 0) -> np.ndarray:

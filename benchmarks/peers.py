@@ -27,6 +27,7 @@ checkpointing is off on both sides (gpurl does not rematerialize); TRL runs in f
 
     python benchmarks/peers.py --steps 4 --json peers.json  # ~50 min on 2 loaded cores
     python benchmarks/peers.py --quick --json peers.json    # smoke run: 3 steps, small generation
+    python benchmarks/peers.py --smoke   # gpurl's side on the tiny random model (TRL's skipped)
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ SFT = dict(batch=16, max_len=64, lr=1e-3, warmup=10, seed=0)
 # Evaluation and per-step checkpoints off: only training steps are timed.
 GPURL_COMMON = ["data.num_eval=0", "train.eval_every=0", "train.checkpoint_every=0",
                 "logger=console"]
+# --smoke: gpurl's jobs on the tiny random model and its task (TRL's side needs the real one)
+SMOKE_GPURL = ["model=tiny", "data=arithmetic", "rollout.max_new_tokens=8"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -67,6 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gen-repeats", type=int, default=3, help="generation: timed calls per cell")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 3 steps (median of 2), generation at batch 8, 16 tokens, 1 call")
+    p.add_argument("--smoke", action="store_true", help="gpurl's side on the tiny random model, "
+                   "2 steps, TRL's side skipped, generate.py --smoke: the script runs")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch threads of the TRL / transformers side")
     p.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "gpurl_peers.json"))
@@ -75,6 +80,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.gen_batch, args.gen_new_tokens, args.gen_repeats = 3, 8, 16, 1
+    if args.smoke:
+        args.steps = 2
     args.parts = args.parts.split(",")
     if set(args.parts) - set(PARTS):
         p.error(f"--parts takes a subset of {','.join(PARTS)}.")
@@ -92,40 +99,44 @@ def grpo_prompts(steps: int) -> list[dict]:
     from gpurl.data.batching import step_indices
     from gpurl.data.sources import load_prompts
 
-    train, _ = load_prompts(_addition(num_eval=0))
+    train, _ = load_prompts(_data(False, num_eval=0))
     return [train[i] for s in range(steps)
             for i in step_indices(len(train), GRPO["prompts"], s, GRPO["seed"])]
 
 
-def sft_examples(steps: int) -> list[dict]:
+def sft_examples(steps: int, smoke: bool = False) -> list[dict]:
     """The examples `gpurl train algo=sft ...` uses in steps 0..steps-1, in order."""
     from gpurl.data.batching import step_indices
     from gpurl.data.sources import load_examples
 
-    train, _ = load_examples(_addition(num_eval=0))
+    train, _ = load_examples(_data(smoke, num_eval=0))
     return [train[i] for s in range(steps)
             for i in step_indices(len(train), SFT["batch"], s, SFT["seed"])]
 
 
-def sft_tokens_per_step(steps: int) -> list[int]:
-    """Real (non-padding) tokens of each gpurl SFT step: bos + prompt + completion + eos."""
+def sft_tokens_per_step(steps: int, smoke: bool = False) -> list[int]:
+    """Real (non-padding) tokens of each gpurl SFT step: bos + prompt + completion + eos
+    (`smoke`: the tiny model's bytes of its task)."""
     from gpurl.data.sft import encode_sft
     from gpurl.models.gguf import default_gemma3_270m_path
     from gpurl.models.gguf_tokenizer import tokenizer_from_gguf
+    from gpurl.models.tokenizer import byte_tokenizer
 
-    rows = encode_sft(sft_examples(steps), tokenizer_from_gguf(default_gemma3_270m_path()),
-                      _addition(num_eval=0))
+    tokenizer = byte_tokenizer() if smoke else tokenizer_from_gguf(default_gemma3_270m_path())
+    rows = encode_sft(sft_examples(steps, smoke), tokenizer, _data(smoke, num_eval=0))
     per_N = (rows.segment_ids > 0).sum(-1)
     return [int(per_N[s * SFT["batch"]:(s + 1) * SFT["batch"]].sum()) for s in range(steps)]
 
 
-def _addition(**overrides: Any):
-    """configs/data/addition.yaml as a DataConfig."""
+def _data(smoke: bool, **overrides: Any):
+    """The main job's data config (configs/data/addition.yaml) as a DataConfig, or with
+    `smoke` the tiny model's (configs/data/arithmetic.yaml)."""
     import yaml
 
     from gpurl.config import DataConfig
 
-    values = yaml.safe_load((HERE.parent / "configs/data/addition.yaml").read_text())
+    name = "arithmetic" if smoke else "addition"
+    values = yaml.safe_load((HERE.parent / f"configs/data/{name}.yaml").read_text())
     return DataConfig(**{**values, **overrides})
 
 
@@ -304,8 +315,9 @@ def gpurl_metrics(run_dir: Path) -> list[dict[str, float]]:
 
 def bench_grpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     run_dir = work / "gpurl-grpo"
+    smoke = SMOKE_GPURL if args.smoke else []
     out: dict[str, Any] = {"gpurl": run_job("gpurl grpo", gpurl_command(
-        ["algo=grpo", f"train.steps={args.steps}", f"run.dir={run_dir}", *GPURL_COMMON]),
+        ["algo=grpo", f"train.steps={args.steps}", f"run.dir={run_dir}", *GPURL_COMMON, *smoke]),
         work / "gpurl-grpo.log")}
     steps = gpurl_metrics(run_dir)[args.warmup:]
     out["gpurl"].update({"step_s": [r["time/step_s"] for r in steps],
@@ -313,6 +325,11 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for phase in ("rollout", "reward", "train", "sync"):
         out["gpurl"][f"median_{phase}_s"] = _median([r[f"time/{phase}_s"] for r in steps])
     shutil.rmtree(run_dir, ignore_errors=True)  # the final checkpoint: ~2 GB
+    out["gpurl"]["completions_per_s"] = round(GRPO["prompts"] * GRPO["group"]
+                                              / out["gpurl"]["median_step_s"], 3)
+    if args.smoke:
+        print("trl grpo: skipped: the smoke form runs gpurl's side only (TRL's needs the real model)")
+        return out
     trl_out = work / "trl-grpo.json"
     out["trl"] = run_job("trl grpo", [sys.executable, __file__, "--worker", "trl_grpo",
                                       "--steps", str(args.steps), "--threads", str(args.threads),
@@ -320,9 +337,8 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     trl = json.loads(trl_out.read_text())
     out["trl"].update(trl, step_s=trl["step_s"][args.warmup:],
                       median_step_s=_median(trl["step_s"][args.warmup:]))
-    rows = GRPO["prompts"] * GRPO["group"]
-    for side in ("gpurl", "trl"):
-        out[side]["completions_per_s"] = round(rows / out[side]["median_step_s"], 3)
+    out["trl"]["completions_per_s"] = round(GRPO["prompts"] * GRPO["group"]
+                                            / out["trl"]["median_step_s"], 3)
     out["speedup"] = round(out["trl"]["median_step_s"] / out["gpurl"]["median_step_s"], 2)
     out["memory_ratio"] = round(out["gpurl"]["peak_rss_gb"] / out["trl"]["peak_rss_gb"], 2)
     return out
@@ -330,24 +346,30 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def bench_sft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     # TRL first here, so that neither framework always runs first (the machine is shared).
-    trl_out = work / "trl-sft.json"
-    out: dict[str, Any] = {"trl": run_job(
-        "trl sft", [sys.executable, __file__, "--worker", "trl_sft", "--steps", str(args.steps),
-                    "--threads", str(args.threads), "--out", str(trl_out)], work / "trl-sft.log")}
-    trl = json.loads(trl_out.read_text())
+    trl_out, out, sides = work / "trl-sft.json", {}, {}
+    if args.smoke:
+        print("trl sft: skipped: the smoke form runs gpurl's side only (TRL's needs the real model)")
+    else:
+        out["trl"] = run_job("trl sft", [
+            sys.executable, __file__, "--worker", "trl_sft", "--steps", str(args.steps),
+            "--threads", str(args.threads), "--out", str(trl_out)], work / "trl-sft.log")
+        trl = json.loads(trl_out.read_text())
+        sides["trl"] = (trl["step_s"], trl["tokens"])
     run_dir = work / "gpurl-sft"
     out["gpurl"] = run_job("gpurl sft", gpurl_command(
         ["algo=sft", "optim=adamw", "train=default", f"train.steps={args.steps}",
-         f"run.dir={run_dir}", *GPURL_COMMON]), work / "gpurl-sft.log")
+         f"run.dir={run_dir}", *GPURL_COMMON, *(SMOKE_GPURL[:2] if args.smoke else [])]),
+        work / "gpurl-sft.log")
     gpurl_s = [r["time/step_s"] for r in gpurl_metrics(run_dir)]
     shutil.rmtree(run_dir, ignore_errors=True)
-    sides = {"gpurl": (gpurl_s, sft_tokens_per_step(args.steps)),
-             "trl": (trl["step_s"], trl["tokens"])}
+    sides["gpurl"] = (gpurl_s, sft_tokens_per_step(args.steps, args.smoke))
     for side, (times, tokens) in sides.items():
         times, tokens = times[args.warmup:], tokens[args.warmup:]
         out[side].update(step_s=times, tokens=tokens, median_step_s=_median(times),
                          tokens_per_s=round(statistics.median(
                              n / t for n, t in zip(tokens, times)), 1))
+    if "trl" not in out:
+        return out
     out["speedup"] = round(out["gpurl"]["tokens_per_s"] / out["trl"]["tokens_per_s"], 2)
     out["memory_ratio"] = round(out["gpurl"]["peak_rss_gb"] / out["trl"]["peak_rss_gb"], 2)
     return out
@@ -358,34 +380,34 @@ def bench_generate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     job = run_job("generate (gpurl and transformers, interleaved)", [
         sys.executable, str(HERE / "generate.py"), "--batches", str(args.gen_batch),
         "--new-tokens", str(args.gen_new_tokens), "--repeats", str(args.gen_repeats),
-        "--threads", str(args.threads), "--json", str(path)], work / "generate.log")
+        "--threads", str(args.threads), "--json", str(path),
+        *(["--smoke"] if args.smoke else [])], work / "generate.log")
     return {"job": job, "table": json.loads(path.read_text())["table"]}
 
 
 def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per measurement: gpurl, TRL / transformers, gpurl's advantage (> 1 = better)."""
+    """One row per measurement: gpurl, TRL / transformers, gpurl's advantage (> 1 = better;
+    "-" where the peer did not run: the smoke form)."""
+    def row(what: str, part: dict[str, Any], key: str, advantage: Any) -> dict[str, Any]:
+        peer = part.get("trl", {}).get(key, "-")
+        return {"what": what, "gpurl": part["gpurl"][key], "peer": peer,
+                "gpurl_advantage": advantage() if "trl" in part else "-"}
+
     rows = []
     if "grpo" in res:
         g = res["grpo"]
-        rows += [{"what": "GRPO s/step (median)", "gpurl": g["gpurl"]["median_step_s"],
-                  "peer": g["trl"]["median_step_s"], "gpurl_advantage": g["speedup"]},
-                 {"what": "GRPO peak RSS GB", "gpurl": g["gpurl"]["peak_rss_gb"],
-                  "peer": g["trl"]["peak_rss_gb"],
-                  "gpurl_advantage": round(1 / g["memory_ratio"], 2)}]
+        rows += [row("GRPO s/step (median)", g, "median_step_s", lambda: g["speedup"]),
+                 row("GRPO peak RSS GB", g, "peak_rss_gb", lambda: round(1 / g["memory_ratio"], 2))]
     if "sft" in res:
         s = res["sft"]
-        rows += [{"what": "SFT tokens/s (median)", "gpurl": s["gpurl"]["tokens_per_s"],
-                  "peer": s["trl"]["tokens_per_s"], "gpurl_advantage": s["speedup"]},
-                 {"what": "SFT s/step (median)", "gpurl": s["gpurl"]["median_step_s"],
-                  "peer": s["trl"]["median_step_s"],
-                  "gpurl_advantage": round(s["trl"]["median_step_s"] / s["gpurl"]["median_step_s"], 2)},
-                 {"what": "SFT peak RSS GB", "gpurl": s["gpurl"]["peak_rss_gb"],
-                  "peer": s["trl"]["peak_rss_gb"],
-                  "gpurl_advantage": round(1 / s["memory_ratio"], 2)}]
-    for row in res.get("generate", {}).get("table", []):
-        rows.append({"what": f"generate tok/s, B={row['batch']} {row['mode']}",
-                     "gpurl": row.get("gpurl_tok_s"), "peer": row.get("transformers_tok_s"),
-                     "gpurl_advantage": row.get("ratio")})
+        rows += [row("SFT tokens/s (median)", s, "tokens_per_s", lambda: s["speedup"]),
+                 row("SFT s/step (median)", s, "median_step_s", lambda: round(
+                     s["trl"]["median_step_s"] / s["gpurl"]["median_step_s"], 2)),
+                 row("SFT peak RSS GB", s, "peak_rss_gb", lambda: round(1 / s["memory_ratio"], 2))]
+    for r in res.get("generate", {}).get("table", []):
+        rows.append({"what": f"generate tok/s, B={r['batch']} {r['mode']}",
+                     "gpurl": r.get("gpurl_tok_s"), "peer": r.get("transformers_tok_s"),
+                     "gpurl_advantage": r.get("ratio")})
     return rows
 
 
@@ -393,7 +415,9 @@ def print_table(rows: list[dict[str, Any]], res: dict[str, Any]) -> None:
     print("| measurement | gpurl | TRL / transformers | gpurl advantage |")
     print("| --- | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['what']} | {r['gpurl']} | {r['peer']} | {r['gpurl_advantage']}x |")
+        advantage = r["gpurl_advantage"]
+        print(f"| {r['what']} | {r['gpurl']} | {r['peer']} | "
+              f"{advantage if advantage == '-' else f'{advantage}x'} |")
     if "grpo" in res:
         g = res["grpo"]["gpurl"]
         print(f"gpurl GRPO phases (median s): rollout {g['median_rollout_s']}, reward "
@@ -401,11 +425,17 @@ def print_table(rows: list[dict[str, Any]], res: dict[str, Any]) -> None:
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())
-    versions = {name: version(name) for name in
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    versions = {name: installed(name) for name in
                 ("jax", "torch", "transformers", "trl", "accelerate", "datasets")}
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu,
             "cores": len(os.sched_getaffinity(0)), "torch_threads": args.threads,

@@ -11,6 +11,8 @@ simulated devices, nothing allocated) over the presets, from abstract arrays onl
     python benchmarks/plan.py settings --devices 1 --json settings1.json
     # the table of docs/scaling.md from the two table runs
     python benchmarks/plan.py markdown plan1.json plan8.json
+    # all three on the tiny model and 4 simulated devices, in seconds: the script runs
+    python benchmarks/plan.py --smoke
 
 One process simulates one device count (`plan.devices`, set before JAX starts). On a GPU
 machine, `--devices 0` plans for the devices there are (the GPU compiler's figures). With
@@ -26,6 +28,7 @@ import argparse
 import datetime
 import json
 import platform
+import tempfile
 import time
 from typing import Any, Sequence
 
@@ -157,9 +160,25 @@ def markdown(paths: Sequence[str]) -> None:
         print(f"| `{preset}` | " + " | ".join(cells) + " |")
 
 
+def smoke(args: argparse.Namespace) -> None:
+    """The table (the tiny model, one length), one tiny setting, and the table's markdown."""
+    global PRESETS, SETTINGS
+    PRESETS, SETTINGS = ("tiny",), (grpo_setting("tiny", 4, 4, 16, 2, 16),)
+    args.devices, args.presets, args.lengths, args.remat = 4, "tiny", "32", "none"
+    start_backend(PlanConfig(devices=args.devices))
+    extra = [f"plan.devices={args.devices}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/table.json"
+        with open(path, "w") as f:
+            json.dump({"meta": {"devices": args.devices}, "results": table(args, extra)}, f)
+        settings(args, extra)
+        markdown([path])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("table", "settings", "markdown"))
+    p.add_argument("what", nargs="?", choices=("table", "settings", "markdown"),
+                   help="--smoke: all three")
     p.add_argument("files", nargs="*", help="markdown: the JSON files of table runs")
     p.add_argument("--devices", type=int, default=8, help="simulated devices; 0 = the real ones")
     p.add_argument("--memory-gb", type=float, default=0.0, help="device memory; 0 = 80 when simulated")
@@ -168,7 +187,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--remat", default="none,full", help="settings: the remat policies to compare")
     p.add_argument("--target", default="", help="compile for this GPU (plan.target), e.g. h100")
     p.add_argument("--json", default="")
+    p.add_argument("--smoke", action="store_true", help="table, settings and markdown on the "
+                   "tiny model and 4 simulated devices: checks the script end to end")
     args = p.parse_args(argv)
+    if args.smoke:
+        return smoke(args)
+    if args.what is None:
+        p.error("name what to run: table, settings or markdown (or --smoke).")
     if args.what == "markdown":
         return markdown(args.files)
     start_backend(PlanConfig(devices=args.devices, target=args.target))

@@ -32,6 +32,7 @@ rounding can make long greedy runs part ways).
     bash benchmarks/setup_vllm.sh       # once: /work/vllm-venv and the HF model directory
     python benchmarks/rollout.py --engines vllm,gpurl,static --repeats 3 --json rollout.json
     python benchmarks/rollout.py --check   # greedy tokens of each engine vs transformers
+    python benchmarks/rollout.py --smoke   # gpurl and static workers, tiny model: the script runs
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ WORKLOADS: dict[str, tuple[list[int], float]] = {
     "8x64 greedy": ([64] * 8, 0.0),
     "long tail sampled": (long_tail(), 1.0),
 }
+# --smoke: the tiny random model, a few tokens (no vLLM: it would need the real model)
+SMOKE_WORKLOADS = {"4x8 greedy": ([8] * 4, 0.0), "long tail sampled": ([4, 4, 4, 16], 1.0)}
 
 
 @dataclass
@@ -128,7 +131,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-tokens", type=int, default=16, help="new tokens of --check")
     p.add_argument("--worker", choices=("gpurl", "static"), help=argparse.SUPPRESS)
     p.add_argument("--max-new-tokens", type=int, default=512, help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true", help="the gpurl and static workers on the "
+                   "tiny random model, a few tokens, once: checks the script end to end")
     args = p.parse_args(argv)
+    if args.smoke and not args.worker:
+        if "vllm" in args.engines:
+            print("vllm: skipped: the smoke form runs the tiny model, which vLLM is not set up for")
+        WORKLOADS.clear()  # this process's table is of the smoke workloads
+        WORKLOADS.update(SMOKE_WORKLOADS)
+        args.engines, args.workloads = "gpurl,static", ",".join(SMOKE_WORKLOADS)
+        args.repeats, args.settle_s, args.prompt_tokens = 1, 0.0, 8
+        args.log_dir = tempfile.mkdtemp(prefix="gpurl_rollout_smoke_")
+        args.json = os.path.join(args.log_dir, "rollout.json")
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if set(args.engines) - set(ENGINES) or not args.engines:
@@ -194,9 +208,10 @@ def transformers_greedy(model_dir: Path, prompt: list[int], new_tokens: int) -> 
 # -------------------------------------------------------------------- gpurl workers
 
 
-def gpurl_worker(kind: str, max_new_tokens: int) -> None:
-    """`--worker gpurl|static`: loads the GGUF as generate.py's gpurl_runner does, then
-    serves the protocol. `static` decodes a request list as one batch to its longest."""
+def gpurl_worker(kind: str, max_new_tokens: int, smoke: bool) -> None:
+    """`--worker gpurl|static`: loads the GGUF as generate.py's gpurl_runner does (`smoke`:
+    the tiny random model), then serves the protocol. `static` decodes a request list as one
+    batch to its longest."""
     out = protocol_stdout()
     start = time.perf_counter()
     import jax
@@ -206,9 +221,16 @@ def gpurl_worker(kind: str, max_new_tokens: int) -> None:
     from gpurl.models.gguf_tokenizer import tokenizer_from_gguf
     from gpurl.rollout.static import StaticSampler
 
-    path = gguf_path()
-    tokenizer = tokenizer_from_gguf(path)
-    spec, mesh, rules, params = load_gpurl(path)
+    if smoke:
+        from generate import load_tiny
+        from gpurl.models.tokenizer import byte_tokenizer
+
+        tokenizer = byte_tokenizer()
+        spec, mesh, rules, params = load_tiny(Path(tempfile.mkdtemp(prefix="gpurl_rollout_")))
+    else:
+        path = gguf_path()
+        tokenizer = tokenizer_from_gguf(path)
+        spec, mesh, rules, params = load_gpurl(path)
     rollout_cfg = RolloutConfig(max_new_tokens=max_new_tokens, top_k=0, top_p=1.0)
 
     if kind == "static":
@@ -374,7 +396,7 @@ def start_workers(args: argparse.Namespace, monitor: MemoryMonitor, max_new_toke
             argv = [str(python), str(HERE / "rollout_vllm.py"), "--model", args.model_dir]
         else:
             argv = [sys.executable, str(Path(__file__).resolve()), "--worker", engine,
-                    "--max-new-tokens", str(max_new_tokens)]
+                    "--max-new-tokens", str(max_new_tokens), *(["--smoke"] if args.smoke else [])]
         log = log_dir / f"{engine}.log"
         print(f"starting {engine} worker (log {log})", flush=True)
         monitor.mark()
@@ -510,13 +532,14 @@ def check(args: argparse.Namespace, tokenizer: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
-        return gpurl_worker(args.worker, args.max_new_tokens)
+        return gpurl_worker(args.worker, args.max_new_tokens, args.smoke)
     if args.prepare:
         prepare(Path(args.model_dir))
         return
     from gpurl.models.gguf_tokenizer import tokenizer_from_gguf
+    from gpurl.models.tokenizer import byte_tokenizer
 
-    tokenizer = tokenizer_from_gguf(gguf_path())
+    tokenizer = byte_tokenizer() if args.smoke else tokenizer_from_gguf(gguf_path())
     if args.check:
         return check(args, tokenizer)
     prompts = {w: make_prompts(tokenizer, len(WORKLOADS[w][0]), args.prompt_tokens)

@@ -10,7 +10,7 @@ fraction is measured tokens/s over the bound's. The H200's HBM3e moves 4.8 TB/s 
 H200 datasheet); pass `--hbm-gbps` for another device.
 
     python benchmarks/rollout_gpu.py                      # on the GPU machine
-    python benchmarks/rollout_gpu.py --model tiny --batch 4 --new-tokens 8 --sampling-layers unrolled  # CPU smoke run
+    python benchmarks/rollout_gpu.py --smoke              # tiny model on CPU, seconds
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from gpurl.config import MeshConfig, ModelConfig, RolloutConfig
+from decode import model_config  # (benchmarks/decode.py: a preset's fields, random weights)
+from gpurl.config import MeshConfig, RolloutConfig
 from gpurl.distributed.mesh import rollout_mesh
-from gpurl.models import loading, model_spec
+from gpurl.models import model_spec
 from gpurl.rollout.engine import Engine
 from gpurl.rollout.requests import Request
 
@@ -43,13 +44,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hbm-gbps", type=float, default=4800.0, help="device memory bandwidth, GB/s")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes on CPU, in seconds: checks the script end to end")
+    args = p.parse_args(argv)
+    if args.smoke:  # unrolled: the accelerators' layout, so the smoke run covers it
+        args.model, args.dtype, args.batch, args.prompt_tokens = "tiny", "float32", 4, 8
+        args.new_tokens, args.block_size, args.sampling_layers, args.repeats = 8, 8, "unrolled", 1
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    cfg = loading.resolve(ModelConfig(name=args.model, dtype=args.dtype, param_dtype=args.dtype,
-                                      init="random", sampling_layers=args.sampling_layers))
+    # the preset's architecture (a bare ModelConfig(name=...) would be the defaults' tiny one)
+    cfg = model_config(args)
     spec, mesh_cfg = model_spec(cfg), MeshConfig()
     rollout = RolloutConfig(max_new_tokens=args.new_tokens, temperature=0.0, slots=args.batch,
                             block_size=args.block_size, decode_chunk=32)

@@ -22,6 +22,9 @@ protocol's lines go to stdout.
 
     /work/vllm-venv/bin/python benchmarks/rollout_vllm.py \
         --model ~/.cache/gpurl/bench/gemma3-270m-hf < commands.jsonl
+
+`--smoke` says whether vLLM imports here (a one-line note, no model loaded); the worker
+itself runs under `benchmarks/rollout.py` when the vLLM virtualenv exists.
 """
 
 from __future__ import annotations
@@ -94,9 +97,20 @@ def reexec_in_cpu_env() -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF model directory (safetensors)")
+    p.add_argument("--model", help="HF model directory (safetensors)")
     p.add_argument("--seed", type=int, default=0, help="vLLM's engine seed")
+    p.add_argument("--smoke", action="store_true", help="whether vLLM imports: a one-line note")
     args = p.parse_args(argv)
+    if args.smoke:
+        import importlib.util
+
+        found = importlib.util.find_spec("vllm") is not None
+        print("rollout_vllm: vLLM imports; the worker runs under benchmarks/rollout.py" if found
+              else "rollout_vllm: skipped: vLLM is not installed here (benchmarks/setup_vllm.sh "
+              "makes its virtualenv)")
+        return
+    if not args.model:
+        p.error("--model is required: the HF model directory vLLM loads.")
     reexec_in_cpu_env()
     out = protocol_stdout()
     start = time.perf_counter()

@@ -15,6 +15,7 @@ before the change:
 
     git show d143021:gpurl/models/safetensors_io.py > /tmp/safetensors_io_old.py
     python benchmarks/safetensors_io.py --old /tmp/safetensors_io_old.py --repeats 3
+    python benchmarks/safetensors_io.py --smoke   # tensors of 256 rows, once: the script runs
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -49,18 +51,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the hand-written module (git show d143021:gpurl/models/safetensors_io.py)")
     p.add_argument("--dir", default="/tmp/gpurl_safetensors_bench", help="where the files go")
     p.add_argument("--gb", type=float, default=1.0, help="approximate file size")
+    p.add_argument("--rows", type=int, default=ROWS, help="rows of every tensor")
     p.add_argument("--repeats", type=int, default=3, help="rounds (median)")
     p.add_argument("--json", default="", help="also write the rows and settings here")
     p.add_argument("--child", nargs=3, metavar=("OPERATION", "IMPL", "FILE"),
                    help=argparse.SUPPRESS)  # one measurement, in this process
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true",
+                   help="one tensor of each dtype, 256 rows, once: checks the script end to end")
+    args = p.parse_args(argv)
+    if args.smoke and not args.child:
+        args.rows, args.gb, args.repeats = 256, 0.0, 1
+        args.dir = tempfile.mkdtemp(prefix="gpurl_safetensors_smoke_")
+        args.old = old_module(Path(args.dir) / "safetensors_io_old.py")
+    return args
 
 
-def layout(gb: float) -> list[tuple[str, Any, tuple[int, int]]]:
-    """(name, dtype, shape): equal bytes of fp32 (4,096 x 4,096) and bf16 (4,096 x 8,192)."""
-    n = max(1, round(gb * GB / 2 / (ROWS * ROWS * 4)))
-    return ([(f"f32.{i}", np.dtype(np.float32), (ROWS, ROWS)) for i in range(n)]
-            + [(f"bf16.{i}", np.dtype(ml_dtypes.bfloat16), (ROWS, 2 * ROWS)) for i in range(n)])
+def old_module(path: Path) -> str:
+    """The old reader from git history, or (a shallow checkout) the current one in its place."""
+    here = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["git", "show", "d143021:gpurl/models/safetensors_io.py"], cwd=here,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        print("old reader: skipped (commit d143021 is not in this checkout); the current "
+              "module stands in")
+        return str(here / "gpurl/models/safetensors_io.py")
+    path.write_text(done.stdout)
+    return str(path)
+
+
+def layout(gb: float, rows: int) -> list[tuple[str, Any, tuple[int, int]]]:
+    """(name, dtype, shape): equal bytes of fp32 (R x R) and bf16 (R x 2R), R = 4,096."""
+    n = max(1, round(gb * GB / 2 / (rows * rows * 4)))
+    return ([(f"f32.{i}", np.dtype(np.float32), (rows, rows)) for i in range(n)]
+            + [(f"bf16.{i}", np.dtype(ml_dtypes.bfloat16), (rows, 2 * rows)) for i in range(n)])
 
 
 def make(entry: tuple[str, Any, tuple[int, int]], i: int) -> np.ndarray:
@@ -95,8 +118,8 @@ def read_whole(st: ModuleType, file: Path) -> float:
     return sum(float(np.array(v).flat[0]) for v in st.open_checkpoint(file).values())
 
 
-def write(st: ModuleType, impl: str, file: Path, gb: float) -> float:
-    entries = layout(gb)
+def write(st: ModuleType, impl: str, file: Path, gb: float, rows: int) -> float:
+    entries = layout(gb, rows)
     fetch: Callable[[int], np.ndarray] = lambda i: make(entries[i], i)  # noqa: E731
     out = file.with_name("written.safetensors")
     if impl == "streamed":
@@ -132,7 +155,7 @@ def child(operation: str, impl: str, file: Path, args: argparse.Namespace) -> No
     elif operation == "whole":
         check = read_whole(st, file)
     else:
-        check = write(st, impl, file, args.gb)
+        check = write(st, impl, file, args.gb, args.rows)
     seconds = time.perf_counter() - start
     peak = status_kb("VmHWM")
     print(json.dumps({"seconds": seconds, "peak_gb": (peak - before) * 1024 / GB,
@@ -141,7 +164,7 @@ def child(operation: str, impl: str, file: Path, args: argparse.Namespace) -> No
 
 def measure(operation: str, impl: str, file: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", operation, impl, str(file), "--old", args.old,
-           "--gb", str(args.gb)]
+           "--gb", str(args.gb), "--rows", str(args.rows)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return {"operation": operation, "impl": impl, **json.loads(out.strip().splitlines()[-1])}
 
@@ -183,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     file = root / "model.safetensors"
-    entries = layout(args.gb)
+    entries = layout(args.gb, args.rows)
     safetensors.numpy.save_file({e[0]: make(e, i) for i, e in enumerate(entries)}, file)
     print(f"{file}: {file.stat().st_size / GB:.2f} GB, {len(entries)} tensors", flush=True)
     file.read_bytes()  # into the page cache before the first timed read

@@ -52,7 +52,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--matmul", type=int, default=8192, help="side of the ceiling matmul")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default="", help="also write the rows and settings here")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes on CPU, in seconds: checks the script end to end")
+    args = p.parse_args(argv)
+    if args.smoke:  # benchmarks/gpu.sh --cpu-smoke's sizes, smaller
+        args.layers, args.d_model, args.heads, args.kv_heads, args.head_dim = 2, 64, 4, 1, 16
+        args.mlp, args.vocab, args.batch, args.seq, args.matmul = 128, 512, 2, 32, 64
+        args.repeats, args.attention = 1, "xla"
+    return args
 
 
 def model_config(args: argparse.Namespace, attention: str) -> ModelConfig:
