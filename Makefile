@@ -39,7 +39,7 @@ train: install
 
 # The multi-turn job: GRPO with a calculator tool on the real Gemma 3 270M (README).
 train-env: install
-	$(BIN)/gpurl train env=calculator $(ARGS)
+	$(BIN)/gpurl train env=calculator train=turns $(ARGS)
 
 # The full test suite (CPU; several forced host devices per test process). Its programs
 # compile and run on one core at a time, so 2 pytest workers (pytest-xdist) use a 2-core

@@ -35,9 +35,9 @@ from gpurl.algorithms.objective import MAXIMUM, Batch
 from gpurl.config import PolicyGradientConfig, TISLevel
 from gpurl.config.algo import RATIO_MASK_OFF
 
-# The cap C of the truncated importance weight on `rollout.mode=one_ahead` runs when algo.tis_cap is
-# null: C = 2, the value of Yao et al. 2025 and the default threshold of verl's rollout
-# correction (`rollout_is_threshold`).
+# The cap C of the truncated importance weight on `rollout.mode=one_ahead` and `continuous` runs
+# when algo.tis_cap is null: C = 2, the value of Yao et al. 2025 and the default threshold of
+# verl's rollout correction (`rollout_is_threshold`).
 ASYNC_TIS_CAP = 2.0
 # log r is bounded at +-SAFE_LOG_RATIO before exp() in the K3 metric, so a token the
 # sampler found e^-100 times less likely reads as a large number, not as inf (verl bounds

@@ -21,9 +21,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 import gpurl
-from gpurl.cli.compose import (APPS, App, config_dir, quote_free_text, register_schemas,
-                               to_config, upgrade_overrides, validate)
+from gpurl.cli.compose import (APPS, App, app_help, config_dir, inherit_run_task,
+                               quote_free_text, register_schemas, to_config, upgrade_overrides,
+                               validate)
 from gpurl.cli.sweep import SWEEP_JOB_FILE, sweep_summary_callback, write_sweep_summary
+from gpurl.commands.check import check, job_shape
 from gpurl.commands.evaluate import evaluate
 from gpurl.commands.export import export_run
 from gpurl.commands.generate import generate
@@ -45,6 +47,8 @@ SUBCOMMANDS = {
     "generate": "generate [model=NAME] prompt=TEXT [n=4] (or prompts_file=F): print completions",
     "eval": "eval [model=NAME] [data=NAME] [checkpoint=RUN_DIR]: held-out accuracy and pass@k",
     "export": "export checkpoint=RUN_DIR out=DIR [step=N]: write an HF safetensors directory",
+    "check": "check COMMAND [overrides] [processes=N] [devices=N]: every start-up check of "
+             "train, plan, eval or generate, nothing loaded or run",
     "plot": "plot RUN_DIR [RUN_DIR...] [out=FILE.png]: reward / loss / KL / eval curves (plot.png)",
 }
 # Hydra's own flags: they print or configure, so they skip gpurl's pre-validation.
@@ -80,8 +84,12 @@ def _generate_job(cfg_node: Any) -> None:
 
 
 def _eval_job(cfg_node: Any) -> None:
+    hydra_cfg = HydraConfig.get()
+    from_run = (inherit_run_task(cfg_node, list(hydra_cfg.overrides.task),
+                                 dict(hydra_cfg.runtime.choices))
+                if cfg_node.checkpoint is not None else [])
     try:
-        evaluate(to_config(cfg_node, EvalConfig))
+        evaluate(to_config(cfg_node, EvalConfig), from_run)
     except (ConfigError, RewardError, EnvError) as e:
         _fail(str(e))
 
@@ -161,6 +169,34 @@ def _plot(args: list[str]) -> None:
     print(f"[gpurl] wrote {written}")
 
 
+def _check(args: list[str]) -> None:
+    """`gpurl check COMMAND [overrides] [processes=N] [devices=N]`."""
+    if not args or args[0] not in APPS:
+        _fail(f"gpurl check needs the command to check first: gpurl check "
+              f"{{{','.join(APPS)}}} [overrides] [processes=N] [devices=N].")
+    command, shape, overrides = args[0], {}, []
+    for arg in args[1:]:
+        key, sep, value = arg.partition("=")
+        if key in ("processes", "devices") and sep:
+            if not value.isdigit():
+                _fail(f"{arg} is not a count; give {key}=N with N a whole number.")
+            shape[key] = int(value)
+        elif arg not in ("-m", "--multirun"):
+            overrides.append(arg)
+    try:
+        cfg = validate(upgrade_overrides(overrides), APPS[command])
+        processes, devices = job_shape(cfg.distributed, shape.get("processes"),
+                                       shape.get("devices"),
+                                       cfg.plan.devices if command == "plan" else 0)
+        lines = check(command, cfg, processes, devices)
+    except (ConfigError, RewardError, EnvError) as e:
+        _fail(str(e))
+    for line in lines:
+        print(f"[gpurl] check: {line}")
+    print(f"[gpurl] check passed: gpurl {command} would start with this command line "
+          f"(memory: gpurl plan).", flush=True)
+
+
 def _check_launcher(args: list[str]) -> None:
     """`hydra/launcher=slurm` (or submitit_*) needs an optional plugin: say so in one line."""
     launcher = next((a.partition("=")[2] for a in args if a.startswith("hydra/launcher=")), "")
@@ -188,8 +224,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     command, rest = args[0], args[1:]
     if command not in SUBCOMMANDS:
         _fail(f"unknown command '{command}'; use one of: {', '.join(SUBCOMMANDS)}.")
-    if command in ("export", "plot"):
-        (_export if command == "export" else _plot)(rest)
+    if command in ("export", "plot", "check"):
+        {"export": _export, "plot": _plot, "check": _check}[command](rest)
+        return
+    if command in ("eval", "generate") and any(a in ("--help", "-h") for a in rest):
+        print(app_help(APPS[command]))  # the groups this command takes, not all of configs/
         return
     if command == "generate":
         rest = [quote_free_text(a) for a in rest]

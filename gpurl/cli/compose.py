@@ -25,11 +25,12 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+import yaml
 
 import gpurl
 from gpurl.algorithms import registry
 from gpurl.config import Config, ConfigError, EvalConfig, GenerateConfig
-from gpurl.config.dicts import MOVED_KEYS, REWARDS_SHORTHAND, replaced_key, yaml_key
+from gpurl.config.dicts import MOVED_KEYS, REWARDS_SHORTHAND, replaced_key, upgrade, yaml_key
 from gpurl.models import families
 
 
@@ -77,6 +78,68 @@ APPS = {"train": App("train", "config", Config),
         "plan": App("plan", "config", Config),  # gpurl train's config, planned not run
         "generate": App("generate", "generate", GenerateConfig),
         "eval": App("eval", "eval", EvalConfig)}
+
+
+def app_groups(app: App) -> dict[str, list[str]]:
+    """The config groups `app`'s root config composes (its defaults list), each with the
+    options in configs/: what its command line can choose."""
+    root = config_dir()
+    return {g: sorted(p.stem for p in (root / g).glob("*.yaml")) for g in _default_choices(app)}
+
+
+def _default_choices(app: App) -> dict[str, str]:
+    """{group: option} of the app's root defaults list (configs/<app>.yaml)."""
+    root = config_dir()
+    defaults = yaml.safe_load((root / f"{app.config_name}.yaml").read_text())["defaults"]
+    pairs = [next(iter(d.items())) for d in defaults if isinstance(d, dict)]
+    return {g: o for g, o in pairs if (root / g).is_dir()}
+
+
+def app_help(app: App) -> str:
+    """`gpurl eval --help` / `gpurl generate --help`: the help text of the app's root config
+    with only the groups that command takes (Hydra's own lists every directory of configs/)."""
+    template = yaml.safe_load((config_dir() / f"{app.config_name}.yaml").read_text())[
+        "hydra"]["help"]["template"]
+    groups = "\n".join(f"{g}: {', '.join(options)}" for g, options in app_groups(app).items())
+    return template.replace("$APP_CONFIG_GROUPS", groups)
+
+
+# What `gpurl eval checkpoint=RUN` takes from the run unless the command line names it.
+RUN_TASK = ("data", "rollout", "rewards", "env")
+
+
+def inherit_run_task(cfg: DictConfig, overrides: Sequence[str],
+                     choices: dict[str, Any]) -> list[str]:
+    """`gpurl eval checkpoint=RUN`: the run's own task. Each of data, rollout, rewards and
+    env comes from the run's config.yaml unless the command line chose it (`data=gsm8k`,
+    or `env=calculator`, whose preset chooses data and rollout; rewards score the data, so
+    other data leaves the run's rewards out too); keys set inside a section
+    the run gives (`rollout.max_new_tokens=1024`) apply on top of the run's. Changes `cfg`
+    in place; returns the sections taken from the run. A directory without config.yaml is
+    left to the command (one sentence naming it)."""
+    run_file = Path(cfg.checkpoint) / "config.yaml"
+    if not run_file.is_file():
+        return []
+    try:
+        run = upgrade(yaml.safe_load(run_file.read_text()) or {})
+    except yaml.YAMLError:
+        return []  # the command's read of the run says what is wrong with the file
+    keys = [re.sub(r"^[+~]*", "", o).partition("=")[0] for o in overrides]
+    defaults = _default_choices(APPS["eval"])
+    taken: list[str] = []
+    for section in RUN_TASK:
+        chosen = section in keys or (section in defaults
+                                     and str(choices.get(section)) != defaults[section])
+        if section == "rewards" and "data" not in taken:
+            chosen = True
+        if chosen or not isinstance(run.get(section), dict):
+            continue
+        inside = {k: OmegaConf.select(cfg, k) for k in keys if k.startswith(section + ".")}
+        cfg[section] = run[section]
+        for key, value in inside.items():
+            OmegaConf.update(cfg, key, value, merge=False)
+        taken.append(section)
+    return taken
 
 
 def register_schemas() -> None:
@@ -206,8 +269,11 @@ def validate(overrides: list[str], app: App = APPS["train"]) -> Any:
                 raise ConfigError(_explain(e, values, app)) from None
             # ${hydra:runtime.choices.data} (run.dir) resolves as in a real run
             HydraConfig.instance().set_config(composed)
+            choices = OmegaConf.to_container(composed.hydra.runtime.choices)
             with open_dict(composed):
                 del composed["hydra"]
+            if app.name == "eval" and composed.checkpoint is not None:
+                inherit_run_task(composed, values, choices)
             converted = to_config(composed, app.schema)
             cfg = cfg or converted
     GlobalHydra.instance().clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 import jax
 
@@ -16,19 +17,23 @@ from gpurl.distributed.mesh import job_devices
 from gpurl.models import loading, model_spec
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.rounds import Rounds, rollout_engine
-from gpurl.rollout.prompts import encode_prompts
+from gpurl.rollout.prompts import encode_prompts, prompt_tools
 from gpurl.rollout.requests import prompt_width
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.restore import restore_run
 
 
-def evaluate(cfg: EvalConfig) -> dict[str, float]:
+def evaluate(cfg: EvalConfig, from_run: Sequence[str] = ()) -> dict[str, float]:
+    """`from_run`: the sections of `cfg` the command line took from the run's config
+    (`gpurl.cli.compose.inherit_run_task`); the first line says where each came from."""
     runtime.initialize(cfg.distributed)
     if cfg.checkpoint is not None:
         run_cfg, params = restore_run(cfg.checkpoint)
         model_cfg, source = run_cfg.model, f"{cfg.checkpoint} (step {_step(cfg.checkpoint)})"
     else:
         model_cfg, params, source = loading.resolve(cfg.model), None, cfg.model.name
+    if runtime.is_main_process():
+        print(f"[gpurl] evaluating {source}: {_task(cfg, from_run)}", flush=True)
     spec = model_spec(model_cfg)
     tokenizer = loading.load_tokenizer(model_cfg)
     _, eval_rows = load_prompts(cfg.data)
@@ -36,7 +41,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, float]:
         raise ConfigError(f"data={cfg.data.name} has no held-out prompts; set data.num_eval > 0 "
                           f"or data.eval_path.")
     prompts, skipped = encode_prompts(eval_rows, tokenizer, cfg.data.chat_template,
-                                      cfg.data.max_len, "eval")
+                                      cfg.data.max_len, "eval", prompt_tools(cfg.env))
     rewards = load_rewards(cfg.rewards, [] if cfg.env.on else default_rewards(cfg.data))
     mesh = layout.for_sampling(cfg.mesh, spec, job_devices())
     engine = rollout_engine(spec, tokenizer, cfg.rollout, mesh, env=cfg.env)
@@ -58,6 +63,19 @@ def evaluate(cfg: EvalConfig) -> dict[str, float]:
         if cfg.out:
             Path(cfg.out).write_text(json.dumps(figures, indent=2) + "\n")
     return figures
+
+
+def _task(cfg: EvalConfig, from_run: Sequence[str]) -> str:
+    """The task in one line, each part marked with where it came from."""
+    origin = lambda section: " (the run's)" if section in from_run else ""  # noqa: E731
+    r = cfg.rollout
+    rewards = ", ".join(cfg.rewards.functions) or "the data's default"
+    parts = [f"data={cfg.data.name}{origin('data')}",
+             f"rollout max_new_tokens={r.max_new_tokens} stop={list(r.stop)} "
+             f"temperature={r.temperature}{origin('rollout')}",
+             f"rewards {rewards}{origin('rewards')}",
+             f"env={cfg.env.name if cfg.env.on else 'none'}{origin('env')}"]
+    return "; ".join(parts)
 
 
 def _step(run_dir: str) -> str:

@@ -180,9 +180,13 @@ class PolicyGradientConfig(AlgoConfig):
     loss_agg: str = "seq_mean_token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm
     importance: str = "token"  # token ratios (GRPO/PPO), sequence (GSPO) or sequence_token (GSPO-token)
     num_iterations: int = 1  # optimizer passes over each batch; > 1 uses the old log-probs
-    # truncated importance sampling: cap C of min(pi_old / pi_sampler, C) per token; null = off (2 on rollout.mode=one_ahead runs)
+    # truncated importance sampling: cap C of min(pi_old / pi_sampler, C) per token, on any
+    # run when set; null = off on synchronous runs and C = 2 on runs that train off-policy
+    # tokens (rollout.mode=one_ahead with split placement, rollout.mode=continuous)
     tis_cap: Optional[float] = None
-    # rollout.mode=one_ahead: weight tokens sampled a step ahead by min(pi_old / pi_sampler, C), C = tis_cap or 2; false = none (unless tis_cap)
+    # off-policy runs (rollout.mode=one_ahead with split placement, rollout.mode=continuous):
+    # weight tokens sampled under older weights by min(pi_old / pi_sampler, C), C = tis_cap
+    # or 2; false = none (unless tis_cap is set)
     async_correction: bool = True
     tis_level: str = "token"  # truncated importance weight per token, per sequence (the product of its tokens' ratios) or geometric (their geometric mean)
     # masked importance sampling: a token's weight is 0 where pi_old / pi_sampler, read per

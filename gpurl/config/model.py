@@ -122,7 +122,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3 scaling: high-frequency factor
     rope_original_max_len: int = 8192  # llama3 scaling: original pre-training context length
     max_seq_len: int = 2048  # longest sequence the model is used with
-    dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16
+    dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16 (GPUs without bf16; dynamic loss scaling)
     param_dtype: str = "float32"  # dtype of stored parameters and optimizer moments
     attention: str = "auto"  # attention kernel: auto (cudnn, else pallas, on GPU; xla on CPU), xla, cudnn, pallas
     init_std: float = 0.02  # std of the random normal init of projections

@@ -314,7 +314,8 @@ class RewardsConfig:
     evaluation (RL held-out figures, `gpurl eval`, a preference run's task accuracy)."""
 
     # built-in names or "pkg.module:function"; [] = the data's default (arithmetic:
-    # first_number_match, countdown: countdown, gsm8k and jsonl: numeric_match). A
+    # first_number_match, countdown: countdown, gsm8k and math: math_verify, jsonl and hf:
+    # numeric_match; gpurl/data/sources.py TASK_REWARDS lists them all). A
     # completion counts as correct in evaluations when the FIRST function gives it >= 1.
     # `rewards=[...]` on the command line is short for `rewards.functions=[...]`.
     functions: list[str] = field(default_factory=list)

@@ -36,13 +36,18 @@ def step_indices(num_rows: int, batch_size: int, step: int, seed: int) -> np.nda
     return np.concatenate(parts).astype(np.int64)
 
 
-def process_rows(indices: np.ndarray, process_index: int, process_count: int) -> np.ndarray:
-    """The contiguous slice of a global batch's `indices` that this process loads."""
-    batch_size = len(indices)
+def check_processes(batch_size: int, process_count: int) -> None:
+    """Every process loads the same number of a step's rows."""
     if batch_size % process_count:
         raise ConfigError(
             f"train.batch_size={batch_size} is not divisible by the {process_count} processes; "
             f"set train.batch_size to a multiple of {process_count}.")
+
+
+def process_rows(indices: np.ndarray, process_index: int, process_count: int) -> np.ndarray:
+    """The contiguous slice of a global batch's `indices` that this process loads."""
+    batch_size = len(indices)
+    check_processes(batch_size, process_count)
     per_process = batch_size // process_count
     return indices[process_index * per_process:(process_index + 1) * per_process]
 

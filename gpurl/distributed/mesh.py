@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -44,37 +44,67 @@ def using_devices(chosen: list[jax.Device]) -> Iterator[None]:
         _DEVICES.reset(token)
 
 
-def trainer_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """(data, fsdp, context, expert, tp) mesh over all devices; one size may be -1 to take
+def mesh_sizes(cfg: MeshConfig, count: int) -> dict[str, int]:
+    """{axis: size} of the trainer mesh over `count` devices: one size may be -1 to take
     what is left (mesh.context=auto, unresolved: 1)."""
-    devices = job_devices() if devices is None else list(devices)
     sizes = [cfg.data, cfg.fsdp, cfg.context_width or 1, cfg.expert, cfg.tp]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
-        if len(devices) % fixed:
+        if count % fixed:
             raise ConfigError(
                 f"mesh sizes data={cfg.data} fsdp={cfg.fsdp} context={cfg.context} "
                 f"expert={cfg.expert} tp={cfg.tp} do not fit "
-                f"{len(devices)} devices; make the fixed sizes divide the device count.")
-        sizes[sizes.index(-1)] = len(devices) // fixed
-    if math.prod(sizes) != len(devices):
+                f"{count} devices; make the fixed sizes divide the device count.")
+        sizes[sizes.index(-1)] = count // fixed
+    if math.prod(sizes) != count:
         raise ConfigError(
             f"mesh.data*mesh.fsdp*mesh.context*mesh.expert*mesh.tp = {math.prod(sizes)} but there "
-            f"are {len(devices)} "
-            f"devices; choose sizes whose product is {len(devices)} (or set one to -1).")
-    return Mesh(np.asarray(devices).reshape(sizes), TRAIN_AXES)
+            f"are {count} "
+            f"devices; choose sizes whose product is {count} (or set one to -1).")
+    return dict(zip(TRAIN_AXES, sizes))
+
+
+def trainer_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """(data, fsdp, context, expert, tp) mesh over all devices (`mesh_sizes`)."""
+    devices = job_devices() if devices is None else list(devices)
+    sizes = mesh_sizes(cfg, len(devices))
+    return Mesh(np.asarray(devices).reshape(list(sizes.values())), TRAIN_AXES)
+
+
+def rollout_shards(cfg: MeshConfig, count: int) -> int:
+    """Model replicas (the rollout mesh's data axis) over `count` rollout devices."""
+    tp = cfg.rollout_width or 1
+    if count % tp:
+        raise ConfigError(
+            f"mesh.rollout_tp={tp} does not divide the {count} rollout "
+            f"devices; choose a divisor of {count}.")
+    return count // tp
 
 
 def rollout_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """(data, tp) mesh for generation: `mesh.rollout_tp` devices per model replica (auto,
     unresolved: 1; a run resolves it for its model, `gpurl.distributed.layout`)."""
     devices = job_devices() if devices is None else list(devices)
-    tp = cfg.rollout_width or 1
-    if len(devices) % tp:
+    shards = rollout_shards(cfg, len(devices))
+    return Mesh(np.asarray(devices).reshape(shards, -1), ("data", "tp"))
+
+
+def rollout_per_process(cfg: MeshConfig, local_counts: Sequence[int]) -> int:
+    """Split placement: how many of each process's devices (`local_counts`) sample; the
+    rest train."""
+    count, total = len(local_counts), sum(local_counts)
+    if not 0 < cfg.rollout_devices < total or cfg.rollout_devices % count:
         raise ConfigError(
-            f"mesh.rollout_tp={tp} does not divide the {len(devices)} rollout "
-            f"devices; choose a divisor of {len(devices)}.")
-    return Mesh(np.asarray(devices).reshape(-1, tp), ("data", "tp"))
+            f"mesh.placement=split needs mesh.rollout_devices between 1 and {total - 1} and a "
+            f"multiple of the {count} processes (got {cfg.rollout_devices}); set "
+            f"mesh.rollout_devices, e.g. mesh.rollout_devices={max(total // 2 // count, 1) * count}.")
+    per = cfg.rollout_devices // count
+    for p, local in enumerate(local_counts):
+        if local <= per:
+            raise ConfigError(
+                f"process {p} has {local} devices, so it cannot give {per} to rollout and "
+                f"keep one for training; lower mesh.rollout_devices or use mesh.placement=colocated.")
+    return per
 
 
 def placement_devices(cfg: MeshConfig) -> tuple[list[jax.Device], list[jax.Device]]:
@@ -85,23 +115,14 @@ def placement_devices(cfg: MeshConfig) -> tuple[list[jax.Device], list[jax.Devic
     devices = job_devices()
     if cfg.placement == "colocated":
         return devices, devices
-    count = len({d.process_index for d in devices})
-    total = len(devices)
-    if not 0 < cfg.rollout_devices < total or cfg.rollout_devices % count:
-        raise ConfigError(
-            f"mesh.placement=split needs mesh.rollout_devices between 1 and {total - 1} and a "
-            f"multiple of the {count} processes (got {cfg.rollout_devices}); set "
-            f"mesh.rollout_devices, e.g. mesh.rollout_devices={max(total // 2 // count, 1) * count}.")
-    per = cfg.rollout_devices // count
+    processes = sorted({d.process_index for d in devices})
+    local = [sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)
+             for p in processes]
+    per = rollout_per_process(cfg, [len(ds) for ds in local])
     rollout, train = [], []
-    for p in range(count):
-        local = sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)
-        if len(local) <= per:
-            raise ConfigError(
-                f"process {p} has {len(local)} devices, so it cannot give {per} to rollout and "
-                f"keep one for training; lower mesh.rollout_devices or use mesh.placement=colocated.")
-        rollout += local[:per]
-        train += local[per:]
+    for ds in local:
+        rollout += ds[:per]
+        train += ds[per:]
     return train, rollout
 
 
@@ -154,4 +175,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_divisor(mesh: Mesh, rules: Rules) -> int:
     """Number of shards a batch is split into: batch sizes must be multiples of it."""
-    return math.prod(mesh.shape[a] for a in rules.get("batch", ()))
+    return batch_shards(mesh.shape, rules)
+
+
+def batch_shards(shape: Mapping[str, int], rules: Rules) -> int:
+    """`batch_divisor` of a mesh of axis sizes `shape`."""
+    return math.prod(shape[a] for a in rules.get("batch", ()))

@@ -18,7 +18,7 @@ from gpurl.config import ConfigError, DistributedConfig
 _initialized = False
 
 
-def _wants_multiprocess(cfg: DistributedConfig) -> bool:
+def wants_multiprocess(cfg: DistributedConfig) -> bool:
     """Explicit `distributed.*` keys, or a Slurm job step (`srun`) of several tasks."""
     if cfg.coordinator is not None or (cfg.num_processes or 1) > 1:
         return True
@@ -39,7 +39,7 @@ def initialize(cfg: DistributedConfig) -> None:
     if _initialized:
         return
     _initialized = True
-    if _wants_multiprocess(cfg):
+    if wants_multiprocess(cfg):
         if cfg.coordinator is not None and (cfg.num_processes is None or cfg.process_id is None):
             raise ConfigError(
                 "distributed.coordinator is set without distributed.num_processes and "

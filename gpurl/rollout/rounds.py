@@ -99,6 +99,17 @@ def rollout_engine(spec: ModelSpec, tokenizer: Tokenizer, rollout: RolloutConfig
                   stop_ids=stop_token_ids(tokenizer, stop), pad_id=tokenizer.pad_id)
 
 
+def check_rows(prompts: int, group: int, count: int, shards: int) -> None:
+    """`prompts` x `group` rows split evenly over `count` processes and `shards` rollout
+    data shards, or one sentence naming train.batch_size."""
+    rows = prompts * group
+    if prompts % count or rows % max(shards, 1):
+        raise ConfigError(
+            f"train.batch_size={prompts} prompts x algo.num_generations={group} = {rows} "
+            f"rows must split evenly over {count} processes and {shards} rollout data "
+            f"shards; change train.batch_size.")
+
+
 class Rounds:
     """Samples `group` completions per prompt with `engine` and scores them. With an
     environment (`env.name`) a completion is a multi-turn trajectory (`multiturn`): its
@@ -131,13 +142,8 @@ class Rounds:
 
     def check_rows(self, prompts: int, group: int) -> None:
         """A step's `prompts` x `group` rows split evenly over the processes and the
-        rollout's data shards, or one sentence naming train.batch_size."""
-        rows, count, shards = prompts * group, runtime.process_count(), self.engine.mesh.shape["data"]
-        if prompts % count or rows % max(shards, 1):
-            raise ConfigError(
-                f"train.batch_size={prompts} prompts x algo.num_generations={group} = {rows} "
-                f"rows must split evenly over {count} processes and {shards} rollout data "
-                f"shards; change train.batch_size.")
+        rollout's data shards (`check_rows`)."""
+        check_rows(prompts, group, runtime.process_count(), self.engine.mesh.shape["data"])
 
     def padded_rows(self, rows: int) -> int:
         """This process's rows rounded up to a multiple of its rollout data shards."""

@@ -19,7 +19,7 @@ import signal
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import yaml
@@ -69,7 +69,8 @@ class _Stop:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-def _check_batch(cfg: Config, divisor: int) -> None:
+def check_batch(cfg: Config, divisor: int) -> None:
+    """A micro-batch and an eval batch split evenly over the trainer mesh's batch shards."""
     micro = cfg.train.batch_size // cfg.train.num_micro_batches
     if micro % divisor or cfg.train.eval_batch_size % divisor:
         raise ConfigError(
@@ -78,7 +79,7 @@ def _check_batch(cfg: Config, divisor: int) -> None:
             f"of the mesh; change train.batch_size/micro_batch_size or mesh.data/mesh.fsdp/mesh.expert.")
 
 
-def _check_context(cfg: Config, algorithm: registry.Algorithm) -> None:
+def check_context(cfg: Config, algorithm: registry.Algorithm) -> None:
     """The context axis splits packed rows: RL and preference runs need train.packed
     (SFT's rows are packed by data.packing)."""
     if (cfg.mesh.context_width or 1) > 1 and algorithm.family != Family.SFT and not cfg.train.packed:
@@ -94,15 +95,21 @@ def _router_defaults(model: ModelConfig, algorithm: registry.Algorithm) -> Model
         model.moe, aux_loss_coef=algorithm.router_aux_loss if model.moe.num_experts else 0.0))
 
 
-def _check_experts(model: ModelConfig, mesh: Any, rules: Any) -> None:
-    """Experts split evenly over the mesh axes the `expert` rule maps them to."""
-    axes = [a for a in rules.get("expert", ()) if mesh.shape[a] > 1]
-    size = math.prod(mesh.shape[a] for a in axes)
+def check_experts(model: ModelConfig, shape: Mapping[str, int], rules: Any) -> None:
+    """Experts split evenly over the mesh axes (sizes `shape`) the `expert` rule maps them to."""
+    axes = [a for a in rules.get("expert", ()) if shape[a] > 1]
+    size = math.prod(shape[a] for a in axes)
     if model.moe.num_experts and model.moe.num_experts % size:
         raise ConfigError(
             f"model.moe.num_experts={model.moe.num_experts} does not split over the "
             f"{size} devices of mesh axes {'x'.join(axes)}; choose mesh.expert dividing "
             f"{model.moe.num_experts}.")
+
+
+def check_target(cfg: Config) -> None:
+    if cfg.plan.target:
+        raise ConfigError(f"plan.target={cfg.plan.target} compiles for a GPU without running "
+                          f"anything, so it is for `gpurl plan`; drop it from gpurl train.")
 
 
 def _prepare_run_dir(run_dir: Path, cfg: Config, resuming: bool, sink_msg) -> None:
@@ -140,6 +147,24 @@ class _Session:
     plans: list[ProgramPlan]  # the memory plan checked before the start ([]: plan.check=false)
 
 
+def first_step_advice(cfg: Config, step: int, metrics: dict[str, float]) -> list[str]:
+    """Warnings on a run's first step whose completions cannot hold an answer: every one
+    cut at the length limit, or every one ended at a newline stop with no reward."""
+    lines = []
+    if metrics.get("completion/truncated", 0.0) >= 1.0:
+        limit = (f"env.max_tokens={cfg.env.max_tokens}" if cfg.env.on
+                 else f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+        lines.append(f"[gpurl] warning: every completion of step {step} reached {limit}, so "
+                     f"answers are cut off; raise {limit.partition('=')[0]} (rollout=reasoning "
+                     f"gives 512 tokens).")
+    if ("\n" in cfg.rollout.stop and not cfg.env.on and "reward/mean" in metrics
+            and metrics["reward/mean"] == 0.0):
+        lines.append(f"[gpurl] warning: every completion of step {step} ended at its first "
+                     f"newline (rollout.stop) and none scored; if answers span lines, set "
+                     f"rollout.stop=[] or rollout=reasoning.")
+    return lines
+
+
 class _PendingMetrics:
     """Holds step N's device metrics until step N+1 is dispatched, then logs them; stops
     the run at a non-finite step (train.on_nonfinite=stop) or counts it (skip)."""
@@ -148,6 +173,7 @@ class _PendingMetrics:
         self.session, self.sink, self.pending = session, sink, None
         self.skipped = skipped  # updates left out for a non-finite loss (restored on resume)
         self.t_last = time.perf_counter()
+        self.advised = False  # the first step's completions were looked at
 
     def push(self, step: int, metrics_dev: dict) -> None:
         self.flush()
@@ -162,6 +188,10 @@ class _PendingMetrics:
         tokens = metrics.pop("tokens", 0.0)
         metrics.update({"lr": float(self.session.schedule(step - 1)), "time/step_s": seconds,
                         "tokens_per_s": tokens / max(seconds, 1e-9)})
+        if not self.advised:
+            self.advised = True
+            for line in first_step_advice(self.session.cfg, step, metrics):
+                self.sink.message(line)
         cfg = self.session.cfg.train
         nonfinite = metrics.pop("nonfinite", 0.0) > 0
         if cfg.on_nonfinite == "skip":
@@ -189,11 +219,11 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
     nothing is allocated on a device and no file is written (`gpurl plan` stops here)."""
     algorithm = registry.get(cfg.algo.name)
     stepper_cls = STEPPERS[algorithm.family]
-    _check_context(cfg, algorithm)
+    check_context(cfg, algorithm)
     mesh = trainer_mesh(cfg.mesh, stepper_cls.trainer_devices(cfg.mesh))
-    _check_batch(cfg, batch_divisor(mesh, cfg.mesh.train_rules))
+    check_batch(cfg, batch_divisor(mesh, cfg.mesh.train_rules))
     model_cfg = _router_defaults(loading.resolve(cfg.model), algorithm)
-    _check_experts(model_cfg, mesh, cfg.mesh.train_rules)
+    check_experts(model_cfg, mesh.shape, cfg.mesh.train_rules)
     cfg = dataclasses.replace(cfg, model=model_cfg)  # config.yaml records the real architecture
     spec = algorithm.model(cfg.algo, model_cfg)
     objective = algorithm.objective(cfg.algo, cfg.rollout)
@@ -219,9 +249,7 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
 
 
 def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
-    if cfg.plan.target:
-        raise ConfigError(f"plan.target={cfg.plan.target} compiles for a GPU without running "
-                          f"anything, so it is for `gpurl plan`; drop it from gpurl train.")
+    check_target(cfg)
     cfg, setup, stepper, plans = fitted(cfg, build, check=cfg.plan.check)
     check(cfg, plans)  # before anything is allocated; the run reuses the compiled programs
     run_dir = Path(cfg.run.dir)
