@@ -40,6 +40,14 @@ GRPO_ARGS = ["algo=grpo", "model=tiny", "model.tokenizer=bytes", "data=arithmeti
 WIDER = ["model.d_model=256", "model.num_layers=4", "model.mlp_dim=1024", "model.head_dim=64"]
 
 
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a child process with `devices` host devices, the caller's other flags
+    kept (tests/test_benchmarks.py's cheaper compiles reach the children too)."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def sync_times(model: str, devices: int, repeats: int) -> list[dict[str, Any]]:
     """Seconds per weight sync, split and colocated, in a child process with `devices`
     host devices (the device count is fixed when JAX starts)."""
@@ -73,8 +81,7 @@ for placement in ("split", "colocated"):
                      median_s=statistics.median(times), gb_per_s=nbytes / 1e9 / statistics.median(times)))
 print("ROWS" + json.dumps(rows))
 """
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
     line = next(x for x in out.stdout.splitlines() if x.startswith("ROWS"))
@@ -92,8 +99,7 @@ def process_overhead(steps: int, placement: str, size: list[str],
     rows = []
     for processes in counts:
         with tempfile.TemporaryDirectory() as tmp:
-            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}",
-                       JAX_PLATFORMS="cpu")
+            env = dict(os.environ, XLA_FLAGS=xla_flags(4 // processes), JAX_PLATFORMS="cpu")
             port = _free_port()
             extra_mesh = (["mesh.placement=split", "mesh.rollout_devices=2"]
                           if placement == "split" else [])

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from distributed import xla_flags  # (benchmarks/distributed.py: a child's host devices)
 from gpurl.config import ModelConfig, MoEConfig
 from gpurl.models import model_spec
 
@@ -160,8 +161,7 @@ def run_kernel(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _grpo(replay: bool, steps: int, new_tokens: int, out: Path) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4))
     cmd = [sys.executable, "-m", "gpurl.cli", "train", "algo=grpo", "model=tiny_moe",
            "model.dtype=bfloat16", "model.init_std=0.1", f"model.moe.replay_routing={replay}",
            f"train.steps={steps}", "train.batch_size=4", "train.eval_every=0",

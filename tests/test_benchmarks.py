@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SMOKE_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 MARK = "=== smoke"  # the runner's lines: "=== smoke NAME ===", "=== smoke NAME: passed in S s"
@@ -89,8 +91,8 @@ def test_every_benchmark_runs_its_smoke_form():
     it measures is absent here, a `skipped:` note)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     # 4 host devices, as the suite (benchmarks/context.py splits rows over 4)
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONUNBUFFERED="1")
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {SMOKE_XLA_FLAGS}")
     run = subprocess.run([sys.executable, __file__], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, timeout=1500)
     parts = sections(run.stdout)

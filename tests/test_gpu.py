@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import SMOKE_XLA_FLAGS
 from gpurl.config import MeshConfig, ModelConfig
 from gpurl.distributed.mesh import trainer_mesh, tree_shardings
 from gpurl.kernels.paged_attention import paged_decode_attention
@@ -123,7 +124,8 @@ MoE grouped matmul),
     out = tmp_path / "gpu"
     run = subprocess.run(["bash", str(root / "benchmarks" / "gpu.sh"), "--cpu-smoke", str(out)],
                          capture_output=True, text=True, timeout=900, cwd=root,
-                         env={**os.environ, "PYTHON": sys.executable})
+                         env={**os.environ, "PYTHON": sys.executable,
+                              "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {SMOKE_XLA_FLAGS}"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert not (out / "failed.txt").exists(), (out / "failed.txt").read_text()
     table = run.stdout[run.stdout.index("| measurement |"):]
