@@ -149,7 +149,7 @@ class _Session:
 
 def first_step_advice(cfg: Config, step: int, metrics: dict[str, float]) -> list[str]:
     """Warnings on a run's first step whose completions cannot hold an answer: every one
-    cut at the length limit, or every one ended at a newline stop with no reward."""
+    cut at the length limit, or none scored while a newline stop ends each at one line."""
     lines = []
     if metrics.get("completion/truncated", 0.0) >= 1.0:
         limit = (f"env.max_tokens={cfg.env.max_tokens}" if cfg.env.on
@@ -159,8 +159,8 @@ def first_step_advice(cfg: Config, step: int, metrics: dict[str, float]) -> list
                      f"gives 512 tokens).")
     if ("\n" in cfg.rollout.stop and not cfg.env.on and "reward/mean" in metrics
             and metrics["reward/mean"] == 0.0):
-        lines.append(f"[gpurl] warning: every completion of step {step} ended at its first "
-                     f"newline (rollout.stop) and none scored; if answers span lines, set "
+        lines.append(f"[gpurl] warning: no completion of step {step} scored, and rollout.stop "
+                     f"ends each at its first newline; if answers span lines, set "
                      f"rollout.stop=[] or rollout=reasoning.")
     return lines
 
