@@ -13,6 +13,14 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No test reaches the network: the Hugging Face Hub is offline, and its cache is an empty
+# folder of this session (a test that needs a cached model or dataset builds one, and the
+# download path is tested against a loopback server: tests/test_hub.py).
+os.environ["HF_HUB_OFFLINE"] = "1"
+_hf_home = tempfile.mkdtemp(prefix="gpurl-test-hf-home-")
+atexit.register(shutil.rmtree, _hf_home, ignore_errors=True)
+os.environ["HF_HOME"] = _hf_home
+os.environ.pop("HF_HUB_CACHE", None)
 # JAX's persistent compilation cache, empty at the start of each session (as on CI) and
 # shared by the test process and every process a test starts (they inherit the variable):
 # many tests compile the same tiny programs, in-process and in `gpurl` subprocesses (a

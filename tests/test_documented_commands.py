@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpurl import hub
 from gpurl.cli import main, validate
 from gpurl.config.dicts import to_dict
 
@@ -33,6 +34,7 @@ COMMANDS = ("train", "plan", "eval", "generate")
 # keys whose values are the user's files: (kind) file, dir, or a gpurl run directory
 PATH_KEYS = {"model.checkpoint": "model", "algo.teacher": "model", "algo.reward_model": "dir",
              "data.path": "file", "data.eval_path": "file", "prompts_file": "file",
+             "suite_path": "file",
              "checkpoint": "run", "record": None, "out": None}
 
 
@@ -141,7 +143,8 @@ def _user_paths(args: list[str], tmp: Path, run_config: str) -> list[str]:
     for arg in args:
         key, sep, value = arg.partition("=")
         kind = PATH_KEYS.get(key.lstrip("+"), "absent")
-        if not sep or kind == "absent" or value in ("null", ""):
+        if not sep or kind == "absent" or value in ("null", "") or (
+                kind in ("model", "dir") and hub.is_hub_id(value)):  # a Hub id stays one
             out.append(arg)
             continue
         path = tmp / "user" / value.lstrip("/~")
@@ -204,6 +207,9 @@ def _check(argv: list[str], capsys) -> str | None:
 
 @pytest.mark.slow
 def test_every_documented_command_passes_gpurl_check(tmp_path, capsys, monkeypatch):
+    """Hub ids (model presets' hub_id, model.checkpoint=org/name, data.dataset) are checked
+    as on an online machine with an empty cache: `gpurl check` reads the cache only."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.chdir(tmp_path)
     _user_package(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path / "user_code"))

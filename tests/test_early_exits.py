@@ -30,7 +30,7 @@ CASES = {
     "file without a prompt column": (["data=jsonl", "data.path={tmp}/noprompt.parquet"],
                                      'neither a "prompt" nor a "messages" column'),
     "dataset not in the cache": (["data=hf", "data.dataset=nobody/no-such-gpurl-dataset"],
-                                 "is not in the local Hugging Face cache"),
+                                 "is not in the Hugging Face cache"),
     "unknown key": (["train.stepz=3"], "train.steps"),
     "bad value": (["data.num_train=-1"], "data.num_train"),
     "reward that does not import": (["rewards=[no_such_pkg.mod:fn]"], "no_such_pkg"),

@@ -162,7 +162,7 @@ def test_data_hf_reads_a_local_dataset_and_its_splits(tmp_path: Path) -> None:
     train, eval_ = load_examples(cfg)
     assert [r["prompt"] for r in train] == ["q0", "q1", "q2", "q3"]
     assert [r["prompt"] for r in eval_] == ["q4", "q5"]
-    with pytest.raises(ConfigError, match=r"is not in the local Hugging Face cache"):
+    with pytest.raises(ConfigError, match=r"is not in the Hugging Face cache"):
         load_prompts(DataConfig(name="hf", dataset="nobody/no-such-dataset-gpurl"))
 
 

@@ -83,13 +83,14 @@ def test_a_run_that_does_not_fit_stops_with_one_sentence_before_allocating(tmp_p
 
 @pytest.mark.slow
 def test_a_real_model_preset_without_weights_is_one_sentence():
-    """The mission's own command on a machine without Gemma 2B's weights: no random 2.5B
-    model trained in silence (or killed by the kernel) but a request for the checkpoint."""
+    """The mission's own command on an offline machine without Gemma 2B's weights in the
+    Hugging Face cache (conftest: HF_HUB_OFFLINE=1, an empty HF_HOME): no random 2.5B model
+    trained in silence (or killed by the kernel) but a request for the weights."""
     out = _gpurl("train", "algo=grpo", "model=gemma2b", timeout=120)
     assert out.returncode == 2, out.stderr
     line = out.stderr.strip()
-    assert line.startswith("gpurl: error: model=gemma2b has no weights here; set "
-                           "model.checkpoint=") and "model.init=random" in line
+    assert line.startswith("gpurl: error: model=gemma2b's model.hub_id=google/gemma-2b is not in "
+                           "the Hugging Face cache") and "HF_HUB_OFFLINE=0" in line
     assert len(line.splitlines()) == 1
 
 

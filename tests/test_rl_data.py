@@ -94,7 +94,7 @@ def test_eval_is_disjoint_when_problems_run_out() -> None:
     (dict(few_shot=-1), r"data.few_shot=-1 is not valid"),
     (dict(name="jsonl", path="x.jsonl", few_shot=2), r"data.few_shot needs reference"),
     (dict(name="countdown", countdown_numbers=1), r"data.countdown_numbers=1 is not valid"),
-    (dict(name="gsm8k"), r"data=gsm8k needs a file"),
+    (dict(name="gsm8k"), r"data=gsm8k needs rows; set data.dataset to a Hub id or data.path"),
     (dict(name="gsm8k", path="x", prompt_template="Q: {q}"), r"must contain \{question\}"),
     (dict(prompt_template="{question}"), r"applies to data=gsm8k"),
     (dict(name="mnist"), r"data.name='mnist' is not valid; use one of: arithmetic, countdown"),

@@ -45,7 +45,8 @@ SUBCOMMANDS = {
     "train": "train with the composed config (resumes from run.dir)",
     "plan": "plan [train overrides] [plan.devices=8]: per-device memory of every program, nothing allocated",
     "generate": "generate [model=NAME] prompt=TEXT [n=4] (or prompts_file=F): print completions",
-    "eval": "eval [model=NAME] [data=NAME] [checkpoint=RUN_DIR]: held-out accuracy and pass@k",
+    "eval": "eval [model=NAME] [data=NAME | suite=NAME] [checkpoint=RUN_DIR]: held-out "
+            "accuracy and pass@k, or standard suites (GSM8K, MATH-500, AIME, GPQA)",
     "export": "export checkpoint=RUN_DIR out=DIR [step=N]: write an HF safetensors directory",
     "check": "check COMMAND [overrides] [processes=N] [devices=N]: every start-up check of "
              "train, plan, eval or generate, nothing loaded or run",

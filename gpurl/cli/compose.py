@@ -30,7 +30,9 @@ import yaml
 import gpurl
 from gpurl.algorithms import registry
 from gpurl.config import Config, ConfigError, EvalConfig, GenerateConfig
-from gpurl.config.dicts import MOVED_KEYS, REWARDS_SHORTHAND, replaced_key, upgrade, yaml_key
+from gpurl.config.dicts import (LIST_SHORTHAND, MOVED_KEYS, REWARDS_SHORTHAND, replaced_key,
+                                upgrade, yaml_key)
+from gpurl.data import suites
 from gpurl.models import families
 
 
@@ -62,6 +64,9 @@ def to_config(cfg: Any, cls: type = Config) -> Any:
     """The one conversion: composed DictConfig -> frozen, validated `cls` (Config for train)."""
     converted = registry.parse(OmegaConf.to_container(cfg, resolve=True), cls, strict=True)
     families.get(converted.model.family)  # a bad model.family fails here, not mid-build
+    if isinstance(converted, EvalConfig):  # and a bad suite name
+        for name in converted.suite:
+            suites.get(name)
     return converted
 
 
@@ -154,9 +159,9 @@ def register_schemas() -> None:
 
 def upgrade_overrides(overrides: Sequence[str],
                       notice: Callable[[str], None] | None = None) -> list[str]:
-    """Overrides with moved keys renamed (each with a one-line notice) and `rewards=[...]`
-    read as `rewards.functions=[...]`; a replaced key raises ConfigError naming its
-    successor (`gpurl.config.dicts.REPLACED_KEYS`)."""
+    """Overrides with moved keys renamed (each with a one-line notice), `rewards=[...]`
+    read as `rewards.functions=[...]` and `suite=gsm8k` as `suite=[gsm8k]`; a replaced key
+    raises ConfigError naming its successor (`gpurl.config.dicts.REPLACED_KEYS`)."""
     notice = notice or (lambda text: print(text, file=sys.stderr, flush=True))
     short, full = REWARDS_SHORTHAND
     out = []
@@ -172,6 +177,8 @@ def upgrade_overrides(overrides: Sequence[str],
             notice(f"[gpurl] {key} is deprecated and will be removed; use {MOVED_KEYS[key]} "
                    f"(set to the same value now).")
             key = MOVED_KEYS[key]
+        elif key in LIST_SHORTHAND and sep and not value.lstrip().startswith("["):
+            value = f"[{value}]"
         out.append(prefix + key + sep + value)
     return out
 

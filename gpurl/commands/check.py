@@ -16,10 +16,12 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from gpurl import hub
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.commands.plan import planned_config
 from gpurl.config import Config, ConfigError, EvalConfig, GenerateConfig
+from gpurl.data import suites
 from gpurl.data.batching import check_processes
 from gpurl.data.sources import default_rewards
 from gpurl.distributed import runtime
@@ -98,6 +100,9 @@ def _train(cfg: Config, processes: int, devices: int, planning: bool = False) ->
         if path is not None:
             lines.append(_exists(f"algo.{key}", path))
     lines += _data(cfg.data)
+    for name in cfg.train.suites:  # names and the algorithm checked by check_context
+        lines.append(f"train.suites {name}: "
+                     + hub.describe(suites.get(name).dataset, f"train.suites ({name})", "dataset"))
     if algorithm.family == Family.RL:
         lines += _task(cfg)
     return lines
@@ -110,6 +115,12 @@ def _eval(cfg: EvalConfig, processes: int, devices: int) -> list[str]:
     else:
         lines.append(_model_line(cfg.model))
     rollout_shards(cfg.mesh, processes * devices)
+    if cfg.suite:  # the suites' own rows and scorers (names checked by `to_config`)
+        lines.append(f"suites: {', '.join(cfg.suite)}")
+        if cfg.suite_path is not None and not Path(cfg.suite_path).expanduser().exists():
+            raise ConfigError(f"suite_path={cfg.suite_path} does not exist; point it at a "
+                              f"local copy of the suite's rows.")
+        return lines + ([f"suite_path: {cfg.suite_path}"] if cfg.suite_path else [])
     return lines + _data(cfg.data) + _task(cfg)
 
 
@@ -131,11 +142,17 @@ CHECKS: dict[str, Callable[[Any, int, int], list[str]]] = {
 
 
 def _model_line(model: Any) -> str:
-    path = loading.checkpoint_path(model)
-    return f"model: {model.name}, " + (f"weights {path}" if path else "random weights")
+    """The weights a start would load, read from the cache only (nothing is fetched)."""
+    named = loading.weights_name(model)
+    if named is not None and not hub.is_hub_id(named[0]):
+        named = (loading.checkpoint_path(model), named[1])
+    return (f"model: {model.name}, "
+            + (f"weights {hub.describe(*named)}" if named else "random weights"))
 
 
 def _exists(key: str, path: str) -> str:
+    if hub.is_hub_id(path):
+        return f"{key}: {hub.describe(path, key)}"
     if not Path(path).expanduser().exists():
         raise ConfigError(f"{key}={path} does not exist; point it at an existing path.")
     return f"{key}: {path}"
@@ -149,8 +166,11 @@ def _run_dir(run_dir: str) -> str:
 
 
 def _data(data: Any) -> list[str]:
-    return [_exists(f"data.{key}", getattr(data, key)) for key in ("path", "eval_path")
-            if getattr(data, key) is not None]
+    lines = [_exists(f"data.{key}", getattr(data, key)) for key in ("path", "eval_path")
+             if getattr(data, key) is not None]
+    if data.dataset is not None and data.path is None:
+        lines.append(f"data.dataset: {hub.describe(data.dataset, 'data.dataset', 'dataset')}")
+    return lines
 
 
 def _task(cfg: Any) -> list[str]:

@@ -1,5 +1,5 @@
 """The schema of the `data` config group (generated tasks, files in gpurl's, TRL's and
-verl's layouts, the local Hugging Face cache), re-exported by `gpurl.config`. A leaf
+verl's layouts, Hub datasets), re-exported by `gpurl.config`. A leaf
 module: it imports only `gpurl.config.checks`."""
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from gpurl.config.checks import choice as _choice, positive as _positive, tuplif
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = "arithmetic"  # source: arithmetic, arithmetic_prefs, countdown, calculator or guess_number (generated), gsm8k, math or jsonl (+ data.path), hf (+ data.dataset)
+    name: str = "arithmetic"  # source: arithmetic, arithmetic_prefs, countdown, calculator or guess_number (generated), jsonl (+ data.path), gsm8k or math (+ data.path, else their preset's data.dataset), hf (+ data.dataset)
     # data=jsonl: a jsonl, json, parquet, csv or arrow file or a save_to_disk directory, in
     # gpurl's, TRL's or verl's layout (docs/data.md); gsm8k rows {"question","answer"}; math
     # rows {"problem","solution"[,"answer"]}; dpo, simpo and orpo rows {"prompt","chosen","rejected"}
     path: Optional[str] = None
     eval_path: Optional[str] = None  # held-out rows (same formats); null = hold out data.num_eval rows of path
-    dataset: Optional[str] = None  # data=hf: a dataset in the local Hugging Face cache, e.g. openai/gsm8k (never downloaded)
-    subset: Optional[str] = None  # data=hf: the dataset's config name, e.g. main; null = its default
-    split: str = "train"  # data=hf, and save_to_disk directories holding several splits: the training split
-    eval_split: Optional[str] = None  # data=hf: the held-out split, e.g. test; null = hold out data.num_eval rows
+    dataset: Optional[str] = None  # data=hf (and data=gsm8k / math without data.path): a Hub id, e.g. openai/gsm8k or openai/gsm8k@main (fetched into the Hugging Face cache; HF_HUB_OFFLINE=1 reads the cache only), or a local dataset directory
+    subset: Optional[str] = None  # data.dataset's config name, e.g. main; null = its default
+    split: str = "train"  # data.dataset's, and save_to_disk directories' (holding several splits), training split
+    eval_split: Optional[str] = None  # data.dataset's held-out split, e.g. test; null = hold out data.num_eval rows
     prompt_key: str = "prompt"  # column holding the prompt (text or a chat list)
     completion_key: str = "completion"  # column holding the SFT reference completion
     messages_key: str = "messages"  # column holding a whole conversation (SFT: ends with the reply)
@@ -48,11 +48,14 @@ class DataConfig:
         _tuplify(self)
         _choice("data.name", self.name, ("arithmetic", "countdown", "gsm8k", "math", "jsonl",
                                          "hf", "arithmetic_prefs", "calculator", "guess_number"))
-        if self.name in ("jsonl", "gsm8k", "math") and not self.path:
-            raise ConfigError(f"data={self.name} needs a file; set data.path=/path/to/train.jsonl.")
+        if self.name == "jsonl" and not self.path:
+            raise ConfigError("data=jsonl needs a file; set data.path=/path/to/train.jsonl.")
+        if self.name in ("gsm8k", "math") and not self.path and not self.dataset:
+            raise ConfigError(f"data={self.name} needs rows; set data.dataset to a Hub id or "
+                              f"data.path to a file.")
         if self.name == "hf" and not self.dataset:
-            raise ConfigError("data=hf needs a dataset; set data.dataset=owner/name (one in the "
-                              "local Hugging Face cache).")
+            raise ConfigError("data=hf needs a dataset; set data.dataset=owner/name (a Hub id) "
+                              "or a local dataset directory.")
         _positive("data.max_len", self.max_len)
         _positive("data.num_train", self.num_train)
         _positive("data.num_eval", self.num_eval, allow_zero=True)

@@ -93,7 +93,8 @@ class ModelConfig:
 
     name: str = "tiny"  # preset name (see configs/model/)
     family: str = "gemma"  # architecture family (a file of gpurl/models/families/): gemma, gemma2, gemma3, llama, qwen2, qwen3, qwen3_moe
-    checkpoint: Optional[str] = None  # HF safetensors dir or .gguf file; null = the preset's packaged weights (gemma3_270m: the GGUF package), else random where model.init allows
+    checkpoint: Optional[str] = None  # Hugging Face Hub id (org/name or org/name@revision), HF safetensors dir or .gguf file; null = model.hub_id, else the preset's packaged weights (gemma3_270m: the GGUF package), else random where model.init allows
+    hub_id: Optional[str] = None  # the preset's published weights on the Hub (gemma2b: google/gemma-2b), fetched into the Hub cache when model.checkpoint is null (docs/getting-started.md)
     vocab_size: int = 512  # rows of the embedding (>= the tokenizer's vocabulary)
     d_model: int = 64  # residual width D
     num_layers: int = 2  # decoder blocks L
@@ -169,7 +170,7 @@ class ModelConfig:
             raise ConfigError("LoRA on a mixture-of-experts model with dense layers "
                               "(model.moe.dense_layers or sparse_step > 1) is not supported; use "
                               "full fine-tuning or a model whose layers are all sparse.")
-        if self.init == "random" and self.checkpoint is not None:
+        if self.init == "random" and self.checkpoint is not None:  # (a preset's hub_id is not)
             raise ConfigError(f"model.init=random draws random weights but model.checkpoint="
                               f"{self.checkpoint} is set; drop one of the two.")
 

@@ -89,6 +89,13 @@ class TrainConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     log_every: int = 1  # write metrics every N steps
     eval_pass_k: int = 4  # RL eval: samples per held-out prompt for pass@k (rollout temperature); 0 = greedy only
+    # RL: standard suites evaluated during training, logged as eval/<suite>/avg@n and
+    # eval/<suite>/pass@k in every logger: gsm8k, math500, aime2024, aime2025, gpqa_diamond
+    # (docs/evaluation.md); e.g. train.suites=[gsm8k,math500]
+    suites: list[str] = field(default_factory=list)
+    suites_every: int = 0  # evaluate the suites every N steps (and before the first and after the last); 0 = with every held-out evaluation (train.eval_every)
+    suites_samples: int = 1  # samples per suite problem at rollout.temperature (the n of avg@n)
+    suites_limit: int = 0  # only the first N problems of each suite; 0 = all
     # a NaN or infinite loss or gradient norm: stop (end the run naming the step; the last
     # checkpoint stays the newest) or skip (leave that update out, count it in nonfinite_skipped)
     on_nonfinite: str = "stop"
@@ -104,11 +111,13 @@ class TrainConfig:
     micro_batch_tokens: int = 0
 
     def __post_init__(self) -> None:
+        _tuplify(self)
         _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
-        for key in ("steps", "batch_size", "eval_batch_size", "keep_checkpoints", "log_every"):
+        for key in ("steps", "batch_size", "eval_batch_size", "keep_checkpoints", "log_every",
+                    "suites_samples"):
             _positive(f"train.{key}", getattr(self, key))
         for key in ("micro_batch_size", "eval_every", "checkpoint_every", "eval_pass_k",
-                    "micro_batch_tokens"):
+                    "micro_batch_tokens", "suites_every", "suites_limit"):
             _positive(f"train.{key}", getattr(self, key), allow_zero=True)
         micro = self.micro_batch_size or self.batch_size
         if self.batch_size % micro:
@@ -408,7 +417,8 @@ class GenerateConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """`gpurl eval`: held-out greedy accuracy and pass@k of a preset, checkpoint or run."""
+    """`gpurl eval`: held-out greedy accuracy and pass@k of a preset, checkpoint or run, or
+    with `suite` its avg@n and pass@k on standard suites (docs/evaluation.md)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -421,8 +431,20 @@ class EvalConfig:
     pass_k: int = 4  # samples per prompt for pass@k at rollout.temperature; 0 = greedy only
     batch_size: int = 128  # rows (prompts x samples) per generation call
     seed: int = 0  # sampling seed
-    out: Optional[str] = None  # also write the figures to this json file
+    out: Optional[str] = None  # also write the figures to this json file; with suite: the directory of the results table (.md and .json)
+    # standard suites instead of the data's held-out prompts: gsm8k, math500, aime2024,
+    # aime2025, gpqa_diamond (docs/evaluation.md); `suite=math500` or `suite=[gsm8k,math500]`
+    suite: list[str] = field(default_factory=list)
+    suite_path: Optional[str] = None  # a local copy of the one suite's published split (jsonl, parquet, csv, ...); null = its Hub dataset
+    num_samples: int = 1  # suites: samples per problem at rollout.temperature (the n of avg@n; pass@k for k = 1, 2, 4, ... and n)
+    limit: int = 0  # suites: only the first N problems of each (smoke runs); 0 = all
 
     def __post_init__(self) -> None:
+        _tuplify(self)
         _positive("pass_k", self.pass_k, allow_zero=True)
         _positive("batch_size", self.batch_size)
+        _positive("num_samples", self.num_samples)
+        _positive("limit", self.limit, allow_zero=True)
+        if self.suite_path is not None and len(self.suite) != 1:
+            raise ConfigError(f"suite_path={self.suite_path} is one suite's rows but suite="
+                              f"{list(self.suite)}; name exactly one suite with it.")

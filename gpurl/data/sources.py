@@ -123,11 +123,18 @@ def _file_rows(cfg: DataConfig, need: str) -> tuple[Sequence[dict], Sequence[dic
 
 
 def _hub_rows(cfg: DataConfig, need: str) -> tuple[Sequence[dict], Sequence[dict]]:
-    rows = _converted(cfg, open_hub(cfg.dataset, cfg.split, cfg.subset), cfg.dataset, need)
+    return _hub_splits(cfg, lambda table, source: _converted(cfg, table, source, need))
+
+
+def _hub_splits(cfg: DataConfig, rows: Callable[[Any, str], Rows],
+                ) -> tuple[Sequence[dict], Sequence[dict]]:
+    """(train, eval) rows of data.dataset's data.split and data.eval_split, or a hold-out
+    of data.split; `rows(table, source)` converts a split's table."""
+    train = rows(open_hub(cfg.dataset, cfg.split, cfg.subset), cfg.dataset)
     if cfg.eval_split:
-        return rows, _converted(cfg, open_hub(cfg.dataset, cfg.eval_split, cfg.subset),
-                                f"{cfg.dataset} ({cfg.eval_split})", need)
-    return _hold_out(rows, cfg)
+        return train, rows(open_hub(cfg.dataset, cfg.eval_split, cfg.subset),
+                           f"{cfg.dataset} ({cfg.eval_split})")
+    return _hold_out(train, cfg)
 
 
 def _with_eval(cfg: DataConfig, read: Callable[[str | None, str], Rows],
@@ -159,19 +166,23 @@ def _converted(cfg: DataConfig, table: Any, source: str, need: str) -> Rows:
 
 def _task_file_rows(convert: Callable[[dict, str, DataConfig], dict], columns_needed: tuple,
                     ) -> Callable[[DataConfig, str], tuple[Sequence[dict], Sequence[dict]]]:
-    """The source of a benchmark's own layout (GSM8K, MATH) in any file format."""
+    """The source of a benchmark's own layout (GSM8K, MATH) in any file format, or on the
+    Hub (data.dataset, when data.path is null: the presets name the published dataset)."""
 
     def rows_of(cfg: DataConfig, need: str) -> tuple[Sequence[dict], Sequence[dict]]:
-        def read(path: str | None, key: str) -> Rows:
-            table = _open_file(cfg, path, key)
+        def checked(table: Any, source: str) -> Rows:
+            if not len(table):
+                raise ConfigError(f"{source} has no rows; add some.")
             for field in columns_needed:
                 if field not in columns(table):
-                    raise ConfigError(f'{path} has no "{field}" column; data={cfg.name} rows '
+                    raise ConfigError(f'{source} has no "{field}" column; data={cfg.name} rows '
                                       f"have {', '.join(columns_needed)}.")
-            return Rows(table, lambda row, where: convert(row, where, cfg), str(path),
+            return Rows(table, lambda row, where: convert(row, where, cfg), source,
                         [columns_needed[0]])
 
-        return _with_eval(cfg, read)
+        if cfg.path is None:
+            return _hub_splits(cfg, checked)
+        return _with_eval(cfg, lambda path, key: checked(_open_file(cfg, path, key), str(path)))
 
     return rows_of
 
@@ -232,7 +243,7 @@ def _hold_out(rows: Sequence[dict], cfg: DataConfig) -> tuple[Sequence[dict], Se
     """(train, eval): `cfg.num_eval` rows drawn by `cfg.seed` are held out."""
     if cfg.num_eval >= len(rows):
         raise ConfigError(
-            f"data.num_eval={cfg.num_eval} leaves no training rows in {cfg.path} "
+            f"data.num_eval={cfg.num_eval} leaves no training rows in {cfg.path or cfg.dataset} "
             f"({len(rows)} rows); lower data.num_eval or set data.eval_path.")
     order_X = np.random.default_rng(cfg.seed).permutation(len(rows))
     split = len(rows) - cfg.num_eval

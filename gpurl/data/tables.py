@@ -1,8 +1,8 @@
 """Tables of rows through the Hugging Face `datasets` library, memory-mapped, never copied.
 
 `open_table` reads a local file (jsonl, json, parquet, csv, arrow) or a directory written
-by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`; `open_hub` a dataset from the
-local Hugging Face cache (offline: nothing is downloaded). Either way the rows stay in an
+by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`; `open_hub` a dataset by Hub id
+(fetched into the Hugging Face cache, or read from it offline). Either way the rows stay in an
 Arrow file that the OS pages in on demand (`datasets` converts jsonl, json and csv into
 its cache once), and `Rows` is a lazy sequence over them: indexing it converts one row to
 a Python dict, so a million-row file costs its index array, not a million dicts.
@@ -11,13 +11,13 @@ a Python dict, so a million-row file costs its index array, not a million dicts.
 from __future__ import annotations
 
 import csv
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from gpurl import hub
 from gpurl.config import ConfigError
 
 # One row as `datasets` gives it -> the row gpurl uses; `where` names it in errors.
@@ -72,25 +72,23 @@ def open_table(path_str: str | None, key: str, split: str = "train") -> Any:
 
 
 def open_hub(name: str | None, split: str, subset: str | None) -> Any:
-    """Split `split` of dataset `name` (config `subset`) from the local Hugging Face cache."""
+    """Split `split` of dataset `name` (config `subset`): a Hub id (`org/name[@revision]`,
+    fetched into the Hugging Face cache by `gpurl.hub` unless HF_HUB_OFFLINE=1) or a local
+    directory laid out as a Hub dataset (data files, and a README.md naming its configs)."""
     if not name:
-        raise ConfigError("data=hf needs a dataset; set data.dataset=owner/name (a dataset in "
-                          "the local Hugging Face cache).")
-    # Never download during a run (HF_HUB_OFFLINE=0 allows it); `datasets` reads the
-    # variable when imported, so its flag is set too.
-    offline = os.environ.setdefault("HF_HUB_OFFLINE", "1") not in ("0", "false", "False")
+        raise ConfigError("data=hf needs a dataset; set data.dataset=owner/name (a Hub id) or "
+                          "a local dataset directory.")
+    source = hub.local_path(name, "data.dataset", kind="dataset")
     datasets = _datasets()
-    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE or offline
     try:
-        return datasets.load_dataset(name, subset, split=split)
-    except ValueError as e:  # an unknown split
-        raise ConfigError(f"data.dataset={name} has no split {split!r} ({e}); set "
-                          f"data.split to one of its splits.") from e
+        return datasets.load_dataset(source, subset, split=split)
+    except ValueError as e:  # an unknown split or config
+        raise ConfigError(f"data.dataset={name} has no split {split!r} or config {subset!r} "
+                          f"({e}); set data.split and data.subset to ones it has.") from e
     except (FileNotFoundError, ConnectionError, OSError) as e:
-        raise ConfigError(f"data.dataset={name} is not in the local Hugging Face cache "
-                          f"({os.environ.get('HF_DATASETS_CACHE') or '~/.cache/huggingface'}); "
-                          f"download it once with datasets.load_dataset({name!r}) on a "
-                          f"machine with internet, or point data.path to its files.") from e
+        raise ConfigError(f"data.dataset={name} is neither a Hub id nor a dataset directory "
+                          f"({type(e).__name__}); set data.dataset=owner/name or point "
+                          f"data.path to its files.") from e
 
 
 def _pick_split(table: Any, split: str, key: str, path: Path) -> Any:

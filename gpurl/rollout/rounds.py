@@ -291,10 +291,16 @@ class Rounds:
         out = {"eval/accuracy": float((greedy[:, 0, 1] >= CORRECT).mean()),
                "eval/reward": float(greedy[:, 0, 0].mean())}
         if pass_k:
-            correct_PxG = self._scores(params, prompts, pass_k, None, batch_rows, seed)[:, :, 1] >= CORRECT
+            correct_PxG = self.correct(params, prompts, pass_k, batch_rows, seed)
             out[f"eval/pass@{pass_k}"] = float(correct_PxG.any(-1).mean())
             out["eval/pass@1"] = float(correct_PxG.mean())
         return out
+
+    def correct(self, params: Params, prompts: Prompts, samples: int, batch_rows: int,
+                seed: int) -> np.ndarray:
+        """P x `samples` on the host: whether each of `samples` completions per prompt, at
+        the rollout temperature, is correct (the first reward function gives it >= 1)."""
+        return self._scores(params, prompts, samples, None, batch_rows, seed)[:, :, 1] >= CORRECT
 
     def _scores(self, params: Params, prompts: Prompts, k: int, temperature: float | None,
                 batch_rows: int, seed: int) -> np.ndarray:

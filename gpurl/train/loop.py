@@ -26,6 +26,8 @@ import yaml
 
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
+from gpurl.data import suites
+from gpurl.rollout.suites import SuiteEvaluation
 from gpurl.config import Config, ConfigError, ModelConfig
 from gpurl.config.dicts import to_dict, upgrade
 from gpurl.distributed import host, runtime
@@ -81,10 +83,17 @@ def check_batch(cfg: Config, divisor: int) -> None:
 
 def check_context(cfg: Config, algorithm: registry.Algorithm) -> None:
     """The context axis splits packed rows: RL and preference runs need train.packed
-    (SFT's rows are packed by data.packing)."""
+    (SFT's rows are packed by data.packing). And train.suites: known names, sampled by an
+    RL run's rollout engine (other runs have none)."""
     if (cfg.mesh.context_width or 1) > 1 and algorithm.family != Family.SFT and not cfg.train.packed:
         raise ConfigError(f"mesh.context={cfg.mesh.context} splits packed rows; set "
                           f"train.packed=true (or mesh.context=1).")
+    for name in cfg.train.suites:
+        suites.get(name)
+    if cfg.train.suites and algorithm.family != Family.RL:
+        raise ConfigError(f"train.suites samples the policy during RL runs, not during "
+                          f"algo={cfg.algo.name}'s; drop train.suites and evaluate the run "
+                          f"afterwards with `gpurl eval checkpoint=RUN suite=...`.")
 
 
 def _router_defaults(model: ModelConfig, algorithm: registry.Algorithm) -> ModelConfig:
@@ -245,7 +254,11 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
     frozen = Frozen.of(algorithm, cfg.algo, spec, place, cfg.mesh, cfg.model.lora.rank > 0,
                        cfg.train.seed, teacher)
     setup = Setup(algorithm, cfg.algo, spec, objective, tokenizer, place, step_fn, init, frozen)
-    return cfg, setup, stepper_cls.build(setup, cfg)
+    stepper = stepper_cls.build(setup, cfg)
+    if cfg.train.suites:  # an RL run (check_context): sampled by its rollout engine
+        stepper.suites = SuiteEvaluation.of(cfg.train, tokenizer, stepper.sampler()[0],
+                                            cfg.data.chat_template, cfg.rewards)
+    return cfg, setup, stepper
 
 
 def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
@@ -273,11 +286,25 @@ def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, dict]:
     return state, meta
 
 
-def _run_eval(s: _Session, state: Any, step: int, sink: MetricsSink) -> dict[str, float]:
-    figures = s.stepper.evaluate(state.params)
+def _run_eval(s: _Session, state: Any, step: int, sink: MetricsSink, held_out: bool,
+              suites: bool) -> dict[str, float]:
+    """The held-out figures and/or `train.suites`' (whichever is due), logged as one row."""
+    figures = s.stepper.evaluate(state.params) if held_out else {}
+    if suites:
+        figures.update(s.stepper.evaluate_suites(state.params))
     sink.log(step, figures)
     sink.message(f"[gpurl] step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in figures.items()))
     return figures
+
+
+def _evals_due(s: _Session, step: int, final: bool) -> tuple[bool, bool]:
+    """(held-out evaluation, suites) due after `step`: every train.eval_every steps and
+    train.suites_every steps (0: with the held-out ones), and after the last step."""
+    cfg = s.cfg.train
+    def every(n: int) -> bool:
+        return final or bool(n) and step % n == 0
+    return (s.stepper.has_eval and every(cfg.eval_every),
+            s.stepper.has_suites and every(cfg.suites_every or cfg.eval_every))
 
 
 def _run_steps(s: _Session, state: Any, start: int, skipped: int, sink: MetricsSink,
@@ -288,9 +315,8 @@ def _run_steps(s: _Session, state: Any, start: int, skipped: int, sink: MetricsS
     queue = _PendingMetrics(s, sink, skipped)
     last_eval: dict[str, float] = {}
     step = start
-    has_eval = s.stepper.has_eval
-    if has_eval and s.stepper.eval_at_start and start == 0:
-        _run_eval(s, state, 0, sink)
+    if s.stepper.eval_at_start and start == 0 and (s.stepper.has_eval or s.stepper.has_suites):
+        _run_eval(s, state, 0, sink, s.stepper.has_eval, s.stepper.has_suites)
         queue.reset_clock()
     stopping = stop.agreed()
     while step < cfg.steps and not stopping:
@@ -300,10 +326,10 @@ def _run_steps(s: _Session, state: Any, start: int, skipped: int, sink: MetricsS
         sink.advance()
         final = step == cfg.steps
         stopping = stop.agreed()
-        if has_eval and (final or (cfg.eval_every and step % cfg.eval_every == 0
-                                   and not stopping)):
+        held_out, suites = _evals_due(s, step, final)
+        if (held_out or suites) and (final or not stopping):
             queue.flush()
-            last_eval = _run_eval(s, state, step, sink)
+            last_eval = {**last_eval, **_run_eval(s, state, step, sink, held_out, suites)}
             queue.reset_clock()
         if final or stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             queue.flush()  # rows up to a checkpoint are on disk before it exists
@@ -377,6 +403,7 @@ def _train(cfg: Config, stop: _Stop) -> dict[str, Any]:
         sink.message(
             f"[gpurl] {cfg.algo.name} on {cfg.model.name} ({count_params(state.params):,} params)"
             f"{taught}, mesh {dict(s.place.mesh.shape)}, {s.stepper.describe()}, "
+            + (f"{s.stepper.suites}, " if s.stepper.suites else "")
             + (f"memory per device: {plan_summary(s.plans)}, " if s.plans else "")
             + (f"resuming from step {start}" if resumed else "starting at step 0")
             + f", run dir {s.run_dir}")

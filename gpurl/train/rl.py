@@ -14,7 +14,7 @@ loop reads step s's metrics after dispatching step s+1.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -174,8 +174,7 @@ class RLStepper(RLPrograms, Stepper):
         return state, metrics
 
     def _pack(self, batch: RolloutBatch, lengths_PxG1: np.ndarray | None = None) -> packing.Plan:
-        """The packed layout of a collected batch, the same on every process
-        (`packing.plan_grouped`)."""
+        """A collected batch's packed layout, the same on every process (`plan_grouped`)."""
         return packing.plan_grouped(batch, lengths_PxG1, self.budget, self.shards,
                                     self.setup.spec.policy.cfg.d_model, self.context)
 
@@ -189,9 +188,11 @@ class RLStepper(RLPrograms, Stepper):
         self.source.restore_meta(meta)
 
     def evaluate(self, params: Any) -> dict[str, float]:
-        params = self.sync(self.setup.spec.policy_params(params))
-        return self.rounds.evaluate(params, self.evals, self.train.eval_pass_k,
+        return self.rounds.evaluate(self.sampler()[1](params), self.evals, self.train.eval_pass_k,
                                     self.train.eval_batch_size, self.train.seed)
+
+    def sampler(self) -> tuple[Any, Callable[[Any], Any]]:
+        return self.engine, lambda params: self.sync(self.setup.spec.policy_params(params))
 
 
 def _prompts(data: DataConfig, setup: Setup,

@@ -21,6 +21,7 @@ from gpurl.distributed import host
 from gpurl.distributed.mesh import abstract, sharded
 from gpurl.models.tokenizer import Tokenizer
 from gpurl.plan.programs import Kind, ProgramRecord, RolloutRound
+from gpurl.rollout.suites import SuiteEvaluation
 from gpurl.train.frozen import Frozen
 from gpurl.train.step import Placement, TrainState
 
@@ -72,6 +73,12 @@ class Stepper:
 
     eval_at_start = False  # evaluate before the first step too (RL, preference)
     has_eval = False  # there are held-out rows to evaluate on
+    # train.suites, sampled by the stepper's `sampler` (set by the loop); None without
+    suites: SuiteEvaluation | None = None
+
+    @property
+    def has_suites(self) -> bool:
+        return self.suites is not None
 
     @classmethod
     def build(cls, setup: Setup, cfg: Config) -> "Stepper":
@@ -92,6 +99,15 @@ class Stepper:
 
     def evaluate(self, params: Any) -> dict[str, float]:
         raise NotImplementedError
+
+    def sampler(self) -> tuple[Any, Callable[[Any], Any]] | None:
+        """(the rollout engine, the trained parameters -> the engine's layout) of a stepper
+        that samples (RL), for evaluations by sampling (`train.suites`); None otherwise."""
+        return None
+
+    def evaluate_suites(self, params: Any) -> dict[str, float]:
+        """`train.suites`' figures (`eval/<suite>/avg@n`, ...) of the trained `params`."""
+        return self.suites(self.sampler()[1](params))
 
     def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         """Global shapes and dtypes of the train step's batch (the memory plan compiles it)."""

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from gpurl import hub
 from gpurl.algorithms.objective import Teacher, TeacherModel
 from gpurl.config import ConfigError, LoraConfig, ModelConfig, TeacherConfig
 from gpurl.distributed.mesh import Rules, held_bytes, tree_shardings
@@ -42,7 +43,8 @@ def initial_policy(spec: Any, shardings: Params, seed: int) -> Params:
 
 def reward_model_spec(path: str, policy_cfg: ModelConfig) -> ScalarSpec:
     """`algo.reward_model`'s spec, from its HF config (nothing loaded). Its vocabulary must
-    be the policy's: it scores the policy's tokens."""
+    be the policy's: it scores the policy's tokens. `path` may be a Hub id."""
+    path = hub.local_path(path, "algo.reward_model")
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"algo.reward_model={path} is not an HF directory with config.json; "
                           f"export an algo=rm run with `gpurl export checkpoint=RUN_DIR out=DIR` "
@@ -66,6 +68,7 @@ def load_reward_model(path: str, policy_cfg: ModelConfig, mesh: Mesh,
     """`algo.reward_model`: an HF sequence-classification directory, placed on the trainer
     mesh (frozen)."""
     spec = reward_model_spec(path, policy_cfg)
+    path = hub.local_path(path, "algo.reward_model")
     return spec, reward_model_params(path, spec, reward_model_shardings(spec, mesh, rules))
 
 
@@ -80,8 +83,9 @@ def teacher_config(algo: TeacherConfig, student: ModelConfig) -> ModelConfig:
     `algo.teacher_dtype` (auto: the student's compute dtype). Nothing is loaded."""
     if algo.teacher is None:
         raise ConfigError(f"algo={algo.name} learns from a teacher but algo.teacher is not set; "
-                          f"set algo.teacher=/path/to/hf_dir (or a .gguf file).")
-    path = Path(algo.teacher).expanduser()
+                          f"set algo.teacher to a Hub id (org/name), an HF directory or a .gguf "
+                          f"file.")
+    path = Path(hub.local_path(algo.teacher, "algo.teacher")).expanduser()
     if not path.is_dir() and path.suffix != ".gguf" or not path.exists():
         raise ConfigError(f"algo.teacher={algo.teacher} is not an HF safetensors directory or a "
                           f".gguf file; point it to the teacher's weights (a `gpurl export` "
@@ -89,7 +93,7 @@ def teacher_config(algo: TeacherConfig, student: ModelConfig) -> ModelConfig:
     dtype = (algo.teacher_dtype if algo.teacher_dtype != "auto"
              else jnp.dtype(compute_dtype(student)).name)
     cfg = loading.resolve(dataclasses.replace(
-        student, name=f"teacher {path.name}", checkpoint=str(path), init="checkpoint",
+        student, name=f"teacher {algo.teacher}", checkpoint=str(path), init="checkpoint",
         lora=LoraConfig(), dtype=dtype, param_dtype=dtype))
     if cfg.vocab_size != student.vocab_size:
         raise ConfigError(f"algo.teacher={algo.teacher} has {cfg.vocab_size} vocabulary rows but "

@@ -1,0 +1,177 @@
+"""Weights and datasets by Hugging Face Hub id: `org/name` or `org/name@revision` (a
+branch, tag or commit) wherever a checkpoint or a dataset goes.
+
+`local_path` turns an id into a directory of huggingface_hub's cache (`HF_HOME`,
+`HF_HUB_CACHE`), downloading only the files gpurl reads (safetensors, config, tokenizer;
+a dataset's data files and card) unless `HF_HUB_OFFLINE=1`; gated repositories take
+`HF_TOKEN`; `HF_ENDPOINT` names a mirror. An existing local path is returned unchanged, so
+a directory named like an id (`runs/x`) always wins.
+
+Many processes of one job start at once: the first to take the repository's file lock
+in the cache downloads, the others wait for the lock and then read what it fetched (the
+commit it resolved is recorded beside the lock for `FRESH_S` seconds, so they make no
+request of their own). One process per host downloads with a per-host cache; one per job
+with a cache on a shared file system that supports locks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gpurl.config import ConfigError
+
+# What gpurl reads of a model repository (gpurl.models: hf.py, tokenizer.py, chat_template.py).
+MODEL_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json",
+               "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+# What `datasets` reads of a dataset repository: its data files and the card whose YAML
+# header names its configs (subsets) and splits.
+DATASET_FILES = ("README.md", "*.parquet", "*.arrow", "*.jsonl", "*.json", "*.csv",
+                 "*.jsonl.gz", "*.json.gz", "*.csv.gz")
+FILES = {"model": MODEL_FILES, "dataset": DATASET_FILES}
+# How long a resolved commit stands for the processes that waited on the download.
+FRESH_S = 600.0
+
+_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[\w](@[\w./-]+)?")
+
+
+def is_hub_id(value: str | None) -> bool:
+    """`value` reads as `org/name[@revision]` and is no existing local path (nor a
+    `.gguf` file name, which only a local file can be)."""
+    if not value or Path(value).expanduser().exists() or value.endswith(".gguf"):
+        return False
+    return bool(_ID.fullmatch(value)) and not value.startswith((".", "~"))
+
+
+def split_id(value: str) -> tuple[str, str | None]:
+    """`org/name@rev` -> (`org/name`, `rev`); no `@` -> revision None (the default branch)."""
+    repo, _, revision = value.partition("@")
+    return repo, revision or None
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", os.environ.get("TRANSFORMERS_OFFLINE", "")
+                          ).strip().lower() in ("1", "true", "yes", "on")
+
+
+def cache_dir() -> Path:
+    """huggingface_hub's cache as the environment names it now (HF_HUB_CACHE, else
+    HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def local_path(value: str, key: str, kind: str = "model") -> str:
+    """`value` as a local path: unchanged when it is one (or is no hub id: the caller's own
+    check then names it), else the cached snapshot of the Hub repository it names.
+    `key` (`model.checkpoint`, `algo.teacher`, ...) names the setting in errors."""
+    if not is_hub_id(value):
+        return value
+    repo, revision = split_id(value)
+    return _snapshot(repo, revision, kind, key, str(cache_dir()), offline())
+
+
+def describe(value: str, key: str, kind: str = "model") -> str:
+    """What a start would do with `value`, reading the cache only (`gpurl check`): a local
+    path as is; a Hub id cached or to be fetched; offline and not cached, the start's own
+    error."""
+    if not is_hub_id(value):
+        return value
+    repo, revision = split_id(value)
+    cache = str(cache_dir())
+    try:
+        path = _download(repo, revision, kind, key, cache, local_only=True)
+    except ConfigError:
+        if offline():
+            raise
+        return f"{value} (Hub id, not in the cache {cache}: fetched at start)"
+    return f"{value} (Hub id, cached: {path})"
+
+
+@functools.lru_cache(maxsize=None)  # once per process and repository (errors are not cached)
+def _snapshot(repo: str, revision: str | None, kind: str, key: str, cache: str,
+              is_offline: bool) -> str:
+    from filelock import FileLock
+
+    locks = Path(cache) / ".locks" / "gpurl"
+    locks.mkdir(parents=True, exist_ok=True)
+    stem = f"{kind}--{repo.replace('/', '--')}@{revision or 'default'}".replace("/", "--")
+    note = locks / f"{stem}.json"
+    with FileLock(str(locks / f"{stem}.lock")):
+        commit = _fresh_commit(note)
+        if commit is not None:  # another process of this job has just fetched it
+            return _download(repo, commit, kind, key, cache, local_only=True)
+        if not is_offline:
+            print(f"[gpurl] {key}={_label(repo, revision)}: fetching {kind} files from the "
+                  f"Hugging Face Hub into {cache}", file=sys.stderr, flush=True)
+        path = _download(repo, revision, kind, key, cache, local_only=is_offline)
+        note.write_text(json.dumps({"commit": Path(path).name, "time": time.time()}))
+        return path
+
+
+def _fresh_commit(note: Path) -> str | None:
+    try:
+        record = json.loads(note.read_text())
+    except (OSError, ValueError):
+        return None
+    return record["commit"] if time.time() - record.get("time", 0) < FRESH_S else None
+
+
+def _label(repo: str, revision: str | None) -> str:
+    return f"{repo}@{revision}" if revision else repo
+
+
+def _download(repo: str, revision: str | None, kind: str, key: str, cache: str,
+              local_only: bool) -> str:
+    """huggingface_hub's snapshot of `repo`, its failures as one sentence each."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import errors
+
+    name = _label(repo, revision)
+    page = f"https://huggingface.co/{'datasets/' if kind == 'dataset' else ''}{repo}"
+    try:
+        path = snapshot_download(repo, revision=revision, repo_type=kind, cache_dir=cache,
+                                 allow_patterns=list(FILES[kind]), local_files_only=local_only,
+                                 endpoint=os.environ.get("HF_ENDPOINT") or None)
+    except errors.GatedRepoError:
+        raise ConfigError(f"{key}={name} is gated on the Hugging Face Hub; accept its terms at "
+                          f"{page} and set HF_TOKEN to a token of that account.") from None
+    except errors.RevisionNotFoundError:
+        raise ConfigError(f"{key}={name}: {repo} has no revision {revision!r} on the Hub; name "
+                          f"a branch, tag or commit it has.") from None
+    except errors.RepositoryNotFoundError:
+        raise ConfigError(f"{key}={name} is neither a local path nor a {kind} on the Hugging "
+                          f"Face Hub (or it is private: set HF_TOKEN); check the spelling."
+                          ) from None
+    except errors.LocalEntryNotFoundError:
+        if local_only:
+            raise ConfigError(f"{key}={name} is not in the Hugging Face cache ({cache}) and "
+                              f"HF_HUB_OFFLINE=1 forbids downloading it; download it once with "
+                              f"HF_HUB_OFFLINE=0 (or `hf download {repo}`), or point {key} at a "
+                              f"local copy.") from None
+        raise ConfigError(f"{key}={name} is not in the Hugging Face cache ({cache}) and the "
+                          f"Hub ({os.environ.get('HF_ENDPOINT') or 'huggingface.co'}) cannot be "
+                          f"reached; connect this machine or point {key} at a local copy."
+                          ) from None
+    except errors.HfHubHTTPError as e:
+        raise ConfigError(f"{key}={name}: the Hub refused the download ({_status(e)}); check "
+                          f"HF_TOKEN and the id.") from None
+    if kind == "model" and not any(Path(path).glob("*.safetensors")):
+        raise ConfigError(f"{key}={name} holds no safetensors weights (gpurl reads those); pick "
+                          f"a repository with *.safetensors files or a local .gguf file.")
+    return path
+
+
+def _status(error: Any) -> str:
+    response = getattr(error, "response", None)
+    return f"HTTP {response.status_code}" if response is not None else type(error).__name__
