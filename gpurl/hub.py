@@ -21,22 +21,28 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from gpurl.config import ConfigError
 
-# What gpurl reads of a model repository (gpurl.models: hf.py, tokenizer.py, chat_template.py).
-MODEL_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json",
-               "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+# What gpurl reads of a model repository (gpurl.models: hf.py, tokenizer.py, chat_template.py):
+# its description (what `gpurl plan`, the architecture and the tokenizer need), then its weights.
+MODEL_META_FILES = ("model.safetensors.index.json", "config.json", "generation_config.json",
+                    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "chat_template.json")
+MODEL_FILES = ("*.safetensors",) + MODEL_META_FILES
 # What `datasets` reads of a dataset repository: its data files and the card whose YAML
 # header names its configs (subsets) and splits.
 DATASET_FILES = ("README.md", "*.parquet", "*.arrow", "*.jsonl", "*.json", "*.csv",
                  "*.jsonl.gz", "*.json.gz", "*.csv.gz")
-FILES = {"model": MODEL_FILES, "dataset": DATASET_FILES}
-# How long a resolved commit stands for the processes that waited on the download.
+# (repository type, files) by what a caller needs
+FILES = {"model": ("model", MODEL_FILES), "model_meta": ("model", MODEL_META_FILES),
+         "dataset": ("dataset", DATASET_FILES)}
+# How long a resolved commit stands for the processes that waited on the download (and for
+# a job started within that time: a push to the repository is seen after it).
 FRESH_S = 600.0
 
 _ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[\w](@[\w./-]+)?")
@@ -47,7 +53,8 @@ def is_hub_id(value: str | None) -> bool:
     `.gguf` file name, which only a local file can be)."""
     if not value or Path(value).expanduser().exists() or value.endswith(".gguf"):
         return False
-    return bool(_ID.fullmatch(value)) and not value.startswith((".", "~"))
+    return (bool(_ID.fullmatch(value)) and not value.startswith((".", "~"))
+            and "--" not in value and ".." not in value)  # as the Hub's ids
 
 
 def split_id(value: str) -> tuple[str, str | None]:
@@ -57,8 +64,8 @@ def split_id(value: str) -> tuple[str, str | None]:
 
 
 def offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", os.environ.get("TRANSFORMERS_OFFLINE", "")
-                          ).strip().lower() in ("1", "true", "yes", "on")
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def cache_dir() -> Path:
@@ -71,14 +78,26 @@ def cache_dir() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def local_path(value: str, key: str, kind: str = "model") -> str:
+def local_path(value: str, key: str, kind: str = "model", local: str | None = None) -> str:
     """`value` as a local path: unchanged when it is one (or is no hub id: the caller's own
-    check then names it), else the cached snapshot of the Hub repository it names.
-    `key` (`model.checkpoint`, `algo.teacher`, ...) names the setting in errors."""
+    check then names it), else the cached snapshot of the Hub repository it names, holding
+    the files `kind` needs (FILES: `model`, `model_meta` without the weights, `dataset`).
+    `key` (`model.checkpoint`, `algo.teacher`, ...) names the setting in errors, `local` the
+    alternative they offer (default: pointing `key` at a local copy)."""
     if not is_hub_id(value):
         return value
     repo, revision = split_id(value)
-    return _snapshot(repo, revision, kind, key, str(cache_dir()), offline())
+    return _snapshot(repo, revision, kind, key, local or f"point {key} at a local copy",
+                     str(cache_dir()), offline())
+
+
+def pinned(value: str, key: str, kind: str = "model_meta") -> str:
+    """A Hub id as `org/name@<commit>` (the commit it resolves to now, fetched if needed),
+    so that a resumed, evaluated or exported run reads what it started from; anything else
+    unchanged."""
+    if not is_hub_id(value):
+        return value
+    return f"{split_id(value)[0]}@{Path(local_path(value, key, kind)).name}"
 
 
 def describe(value: str, key: str, kind: str = "model") -> str:
@@ -90,7 +109,8 @@ def describe(value: str, key: str, kind: str = "model") -> str:
     repo, revision = split_id(value)
     cache = str(cache_dir())
     try:
-        path = _download(repo, revision, kind, key, cache, local_only=True)
+        path = _download(repo, revision, kind, key, f"point {key} at a local copy", cache,
+                         local_only=True)
     except ConfigError:
         if offline():
             raise
@@ -99,24 +119,47 @@ def describe(value: str, key: str, kind: str = "model") -> str:
 
 
 @functools.lru_cache(maxsize=None)  # once per process and repository (errors are not cached)
-def _snapshot(repo: str, revision: str | None, kind: str, key: str, cache: str,
+def _snapshot(repo: str, revision: str | None, kind: str, key: str, local: str, cache: str,
               is_offline: bool) -> str:
-    from filelock import FileLock
+    if is_offline:  # the cache only: no lock, nothing written (a read-only cache works)
+        return _download(repo, revision, kind, key, local, cache, local_only=True)
+    from filelock import FileLock, Timeout
 
-    locks = Path(cache) / ".locks" / "gpurl"
-    locks.mkdir(parents=True, exist_ok=True)
     stem = f"{kind}--{repo.replace('/', '--')}@{revision or 'default'}".replace("/", "--")
+    locks = _lock_dir(Path(cache))
     note = locks / f"{stem}.json"
-    with FileLock(str(locks / f"{stem}.lock")):
+    lock = FileLock(str(locks / f"{stem}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"[gpurl] {key}={_label(repo, revision)}: waiting for another process's download",
+              file=sys.stderr, flush=True)
+        lock.acquire()
+    try:
         commit = _fresh_commit(note)
         if commit is not None:  # another process of this job has just fetched it
-            return _download(repo, commit, kind, key, cache, local_only=True)
-        if not is_offline:
-            print(f"[gpurl] {key}={_label(repo, revision)}: fetching {kind} files from the "
-                  f"Hugging Face Hub into {cache}", file=sys.stderr, flush=True)
-        path = _download(repo, revision, kind, key, cache, local_only=is_offline)
+            return _download(repo, commit, kind, key, local, cache, local_only=True)
+        print(f"[gpurl] {key}={_label(repo, revision)}: fetching from the Hugging Face Hub "
+              f"what the cache ({cache}) lacks", file=sys.stderr, flush=True)
+        path = _download(repo, revision, kind, key, local, cache, local_only=False)
         note.write_text(json.dumps({"commit": Path(path).name, "time": time.time()}))
         return path
+    finally:
+        lock.release()
+
+
+def _lock_dir(cache: Path) -> Path:
+    """Where the download locks live: in the cache (shared by whoever shares the cache),
+    else, where the cache is read-only, in this host's temporary folder."""
+    for folder in (cache / ".locks" / "gpurl", Path(tempfile.gettempdir()) / "gpurl-hub-locks"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                return folder
+        except OSError:
+            continue
+    raise ConfigError(f"neither the Hugging Face cache ({cache}) nor {tempfile.gettempdir()} "
+                      f"is writable; set HF_HOME to a writable folder.")
 
 
 def _fresh_commit(note: Path) -> str | None:
@@ -131,17 +174,17 @@ def _label(repo: str, revision: str | None) -> str:
     return f"{repo}@{revision}" if revision else repo
 
 
-def _download(repo: str, revision: str | None, kind: str, key: str, cache: str,
+def _download(repo: str, revision: str | None, kind: str, key: str, local: str, cache: str,
               local_only: bool) -> str:
     """huggingface_hub's snapshot of `repo`, its failures as one sentence each."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub import errors
+    from huggingface_hub import errors, snapshot_download
 
+    repo_type, files = FILES[kind]
     name = _label(repo, revision)
-    page = f"https://huggingface.co/{'datasets/' if kind == 'dataset' else ''}{repo}"
+    page = f"https://huggingface.co/{'datasets/' if repo_type == 'dataset' else ''}{repo}"
     try:
-        path = snapshot_download(repo, revision=revision, repo_type=kind, cache_dir=cache,
-                                 allow_patterns=list(FILES[kind]), local_files_only=local_only,
+        path = snapshot_download(repo, revision=revision, repo_type=repo_type, cache_dir=cache,
+                                 allow_patterns=list(files), local_files_only=local_only,
                                  endpoint=os.environ.get("HF_ENDPOINT") or None)
     except errors.GatedRepoError:
         raise ConfigError(f"{key}={name} is gated on the Hugging Face Hub; accept its terms at "
@@ -150,22 +193,27 @@ def _download(repo: str, revision: str | None, kind: str, key: str, cache: str,
         raise ConfigError(f"{key}={name}: {repo} has no revision {revision!r} on the Hub; name "
                           f"a branch, tag or commit it has.") from None
     except errors.RepositoryNotFoundError:
-        raise ConfigError(f"{key}={name} is neither a local path nor a {kind} on the Hugging "
-                          f"Face Hub (or it is private: set HF_TOKEN); check the spelling."
-                          ) from None
+        raise ConfigError(f"{key}={name} is neither a local path nor a {repo_type} on the "
+                          f"Hugging Face Hub (or it is private: set HF_TOKEN); check the "
+                          f"spelling.") from None
+    except errors.HFValidationError:
+        raise ConfigError(f"{key}={name} is neither an existing local path nor a valid Hub id "
+                          f"(org/name[@revision]); check the spelling.") from None
     except errors.LocalEntryNotFoundError:
         if local_only:
             raise ConfigError(f"{key}={name} is not in the Hugging Face cache ({cache}) and "
-                              f"HF_HUB_OFFLINE=1 forbids downloading it; download it once with "
-                              f"HF_HUB_OFFLINE=0 (or `hf download {repo}`), or point {key} at a "
-                              f"local copy.") from None
+                              f"HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1) forbids downloading "
+                              f"it; run once with HF_HUB_OFFLINE=0 on a machine with internet, "
+                              f"or {local}.") from None
         raise ConfigError(f"{key}={name} is not in the Hugging Face cache ({cache}) and the "
                           f"Hub ({os.environ.get('HF_ENDPOINT') or 'huggingface.co'}) cannot be "
-                          f"reached; connect this machine or point {key} at a local copy."
-                          ) from None
+                          f"reached; connect this machine, or {local}.") from None
     except errors.HfHubHTTPError as e:
         raise ConfigError(f"{key}={name}: the Hub refused the download ({_status(e)}); check "
                           f"HF_TOKEN and the id.") from None
+    except (OSError, ConnectionError) as e:  # a full disk, a connection lost mid-file
+        raise ConfigError(f"{key}={name}: the download into {cache} failed ({type(e).__name__}); "
+                          f"rerun to resume it, after freeing disk space if it is full.") from None
     if kind == "model" and not any(Path(path).glob("*.safetensors")):
         raise ConfigError(f"{key}={name} holds no safetensors weights (gpurl reads those); pick "
                           f"a repository with *.safetensors files or a local .gguf file.")

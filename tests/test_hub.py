@@ -19,6 +19,7 @@ import pytest
 from gpurl import hub
 from gpurl.algorithms import registry
 from gpurl.cli import main
+from gpurl.train.loop import _pinned
 from gpurl.config import ConfigError, DataConfig, ModelConfig
 from gpurl.data.sources import load_prompts
 from gpurl.models import loading
@@ -26,6 +27,7 @@ from gpurl.models.hf_export import export_hf
 from gpurl.models.spec import model_spec
 from gpurl.models.tokenizer import byte_tokenizer
 from gpurl.train.weights import reward_model_spec, teacher_config
+from conftest import make_config
 from hub_server import HubServer, Repo, commit_id, files_of, lay_out_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,6 +140,14 @@ def test_hub_ids_resolve_offline_from_the_cache(repos, hf_home: Path, capsys) ->
     assert "check passed" in out and f"weights acme/tiny@v1 (Hub id, cached: {hf_home}" in out
     assert "data.dataset: acme/sums (Hub id, cached" in out
 
+    # A run pins every Hub id to its commit (config.yaml then names what it loaded).
+    run = _pinned(make_config(model={"checkpoint": "acme/tiny@v1", "init": "checkpoint"},
+                              algo={"name": "opd", "teacher": "acme/tiny"},
+                              data={"name": "hf", "dataset": "acme/sums", "subset": "main"}))
+    assert (run.model.checkpoint, run.algo.teacher, run.data.dataset) == (
+        f"acme/tiny@{model.refs['v1']}", f"acme/tiny@{model.refs['main']}",
+        f"acme/sums@{repos[('dataset', 'acme/sums')].refs['main']}")
+
     # A local directory named like an id is a path, never a Hub id.
     local = hf_home / "acme" / "tiny"
     local.mkdir(parents=True)
@@ -206,6 +216,20 @@ def test_two_processes_one_download_both_load(repos, tmp_path: Path) -> None:
     each file once, the other waits for it and loads the same weights; only the files gpurl
     reads are fetched."""
     with HubServer(repos) as server:
+        # the architecture and the tokenizer need no weights (`gpurl plan` fetches none)
+        with pytest.MonkeyPatch.context() as patch:
+            import huggingface_hub.constants
+            patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+            patch.setenv("HF_HUB_OFFLINE", "0")
+            patch.setenv("HF_ENDPOINT", server.url)
+            patch.setenv("HF_HOME", str(tmp_path / "planning"))
+            hub._snapshot.cache_clear()
+            cfg = loading.resolve(dataclasses.replace(TINY, init="checkpoint",
+                                                      checkpoint="acme/tiny"))
+            assert cfg.num_layers == 2 and loading.load_tokenizer(cfg).eos_id == 1
+            assert server.downloads("config.json") == 1
+            assert server.downloads("model.safetensors") == 0
+        server.requests.clear()
         env = {**os.environ, "HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0",
                "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(ROOT),
                "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
@@ -221,7 +245,9 @@ def test_two_processes_one_download_both_load(repos, tmp_path: Path) -> None:
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
         assert server.downloads(name) == 1, (name, server.requests)
     assert server.downloads("README.md") == server.downloads("optimizer.pt") == 0
+    # one process asked for the revision twice (the config and tokenizer files, then the
+    # weights); the waiting one asked nothing
     revision_calls = [p for m, p in server.requests if "/revision/" in p]
-    assert len(revision_calls) == 1, server.requests  # the waiting process asked nothing
-    fetched = [e for _, e in outs if "fetching model files from the Hugging Face Hub" in e]
+    assert len(revision_calls) == 2, server.requests
+    fetched = [e for _, e in outs if "fetching from the Hugging Face Hub" in e]
     assert len(fetched) == 1

@@ -134,6 +134,9 @@ def test_gpqa_letter_extraction_and_score():
                    "I am not sure.", "<think>Answer: C"]
     assert [suites.choice_letter(c) for c in completions] == ["C", "C", "C", "C", wrong, None, None]
     assert suites.score_choice([""] * 7, completions, ["C"] * 7) == [1, 1, 1, 1, 0, 0, 0]
+    # a word after "Answer:" is no letter: "Definitely" is not D
+    assert suites.choice_letter("Answer: Definitely not A.\nAnswer: (B)") == "B"
+    assert suites.choice_letter("Answer: Definitely.") is None
 
 
 def test_load_reads_a_local_copy_or_the_hub(tmp_path, monkeypatch):
@@ -148,15 +151,22 @@ def test_load_reads_a_local_copy_or_the_hub(tmp_path, monkeypatch):
     datasets.Dataset.from_list(GPQA).to_parquet(str(gpqa))
     suite = suites.get("gpqa_diamond")
     assert suites.load(suite, str(gpqa)) == [suite.convert(GPQA[0], 0, suite.seed)]
-    asked = []
+    # the Hub's HuggingFaceH4/MATH-500 (one test.jsonl), from a cache laid out as
+    # huggingface_hub writes it (offline: conftest sets HF_HUB_OFFLINE=1)
+    from hub_server import Repo, commit_id, lay_out_cache
 
-    def hub(name, split, subset):
-        asked.append((name, split, subset))
-        return datasets.Dataset.from_list(MATH500)
-
-    monkeypatch.setattr(suites, "open_hub", hub)
-    assert len(suites.load(suites.get("math500"))) == 2
-    assert asked == [("HuggingFaceH4/MATH-500", "test", None)]
+    from gpurl import hub
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    hub._snapshot.cache_clear()
+    files = {"test.jsonl": "".join(json.dumps(r) + "\n" for r in MATH500).encode()}
+    lay_out_cache(tmp_path / "hf" / "hub", "dataset", "HuggingFaceH4/MATH-500",
+                  Repo({commit_id(files): files}, {"main": commit_id(files)}))
+    assert [r["answer"] for r in suites.load(suites.get("math500"))] == [
+        r["answer"] for r in MATH500]
+    with pytest.raises(ConfigError, match=r"^suite=aime2024's dataset=HuggingFaceH4/aime_2024 is "
+                                          r"not in the Hugging Face cache .* or set suite_path to "
+                                          r"a local copy of its train split\.$"):
+        suites.load(suites.get("aime2024"))
     with pytest.raises(ConfigError, match=r"has no 'problem' column; suite=aime2024 rows have "):
         suites.load(suites.get("aime2024"), str(gsm))
 

@@ -33,6 +33,7 @@ def evaluate(cfg: EvalConfig, from_run: Sequence[str] = ()) -> dict[str, float]:
     (`gpurl.cli.compose.inherit_run_task`); the first line says where each came from.
     With `cfg.suite`, the standard suites instead (`eval_suites`)."""
     runtime.initialize(cfg.distributed)
+    rows = eval_suites.load_suites(cfg) if cfg.suite else None  # before any weights are read
     step = None
     if cfg.checkpoint is not None:
         run_cfg, params = restore_run(cfg.checkpoint)
@@ -40,8 +41,7 @@ def evaluate(cfg: EvalConfig, from_run: Sequence[str] = ()) -> dict[str, float]:
         model_cfg, source = run_cfg.model, f"{cfg.checkpoint} (step {step})"
     else:
         model_cfg, params, source = loading.resolve(cfg.model), None, cfg.model.name
-    if cfg.suite:
-        rows = eval_suites.load_suites(cfg)
+    if rows is not None:
         if runtime.is_main_process():
             print(f"[gpurl] evaluating {source} on {eval_suites.describe(cfg, rows)}", flush=True)
         tokenizer = loading.load_tokenizer(model_cfg)

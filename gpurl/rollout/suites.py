@@ -72,12 +72,12 @@ class SuiteEvaluation:
     seed: int
 
     @classmethod
-    def of(cls, train: Any, tokenizer: Tokenizer, engine: Engine, chat_template: bool,
-           rewards: RewardsConfig) -> SuiteEvaluation:
-        """`train`: the run's TrainConfig (suites, suites_limit, suites_samples, the eval
-        batch and the seed)."""
-        runner = SuiteRunner(load_rows(train.suites, limit=train.suites_limit), tokenizer,
-                             engine, chat_template, rewards.on_error, rewards.timeout_s)
+    def of(cls, train: Any, rows: dict[str, list[dict]], tokenizer: Tokenizer, engine: Engine,
+           chat_template: bool, rewards: RewardsConfig) -> SuiteEvaluation:
+        """`train`: the run's TrainConfig (suites_samples, the eval batch and the seed);
+        `rows`: its suites' rows (`load_rows`)."""
+        runner = SuiteRunner(rows, tokenizer, engine, chat_template, rewards.on_error,
+                             rewards.timeout_s)
         return cls(runner, train.suites_samples, train.eval_batch_size, train.seed)
 
     def __call__(self, params: Any) -> dict[str, float]:

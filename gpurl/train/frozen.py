@@ -15,7 +15,6 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from gpurl import hub
 from gpurl.algorithms.registry import Algorithm
 from gpurl.config import AlgoConfig, MeshConfig
 from gpurl.distributed.mesh import abstract, held_bytes
@@ -65,8 +64,8 @@ class RewardModel:
     tokens on the trainer mesh."""
 
     def __init__(self, path: str, policy_cfg: Any, place: Placement, mesh: MeshConfig):
+        self.path = path
         self.spec: ScalarSpec = reward_model_spec(path, policy_cfg)
-        self.path = hub.local_path(path, "algo.reward_model")  # fetched by the line above
         self.shardings = reward_model_shardings(self.spec, place.mesh, mesh.train_rules)
 
     @functools.cached_property

@@ -24,10 +24,11 @@ from typing import Any, Callable, Mapping
 import jax
 import yaml
 
+from gpurl import hub
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.data import suites
-from gpurl.rollout.suites import SuiteEvaluation
+from gpurl.rollout.suites import SuiteEvaluation, load_rows
 from gpurl.config import Config, ConfigError, ModelConfig
 from gpurl.config.dicts import to_dict, upgrade
 from gpurl.distributed import host, runtime
@@ -94,6 +95,21 @@ def check_context(cfg: Config, algorithm: registry.Algorithm) -> None:
         raise ConfigError(f"train.suites samples the policy during RL runs, not during "
                           f"algo={cfg.algo.name}'s; drop train.suites and evaluate the run "
                           f"afterwards with `gpurl eval checkpoint=RUN suite=...`.")
+
+
+def _pinned(cfg: Config) -> Config:
+    """Every Hub id of the run (the model's, a teacher's, a reward model's, the data's)
+    pinned to the commit it resolves to now (`org/name@<commit>`): config.yaml then names
+    what `gpurl eval`, `gpurl export` and `gpurl generate` of the run read."""
+    algo = cfg.algo
+    for key in ("teacher", "reward_model"):
+        if getattr(algo, key, None) is not None:
+            algo = dataclasses.replace(algo, **{key: hub.pinned(getattr(algo, key), f"algo.{key}")})
+    data = cfg.data
+    if data.dataset is not None and data.path is None:
+        data = dataclasses.replace(data, dataset=hub.pinned(data.dataset, "data.dataset",
+                                                            "dataset"))
+    return dataclasses.replace(cfg, model=loading.pinned(cfg.model), algo=algo, data=data)
 
 
 def _router_defaults(model: ModelConfig, algorithm: registry.Algorithm) -> ModelConfig:
@@ -231,6 +247,7 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
     check_context(cfg, algorithm)
     mesh = trainer_mesh(cfg.mesh, stepper_cls.trainer_devices(cfg.mesh))
     check_batch(cfg, batch_divisor(mesh, cfg.mesh.train_rules))
+    cfg = _pinned(cfg)
     model_cfg = _router_defaults(loading.resolve(cfg.model), algorithm)
     check_experts(model_cfg, mesh.shape, cfg.mesh.train_rules)
     cfg = dataclasses.replace(cfg, model=model_cfg)  # config.yaml records the real architecture
@@ -254,16 +271,18 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
     frozen = Frozen.of(algorithm, cfg.algo, spec, place, cfg.mesh, cfg.model.lora.rank > 0,
                        cfg.train.seed, teacher)
     setup = Setup(algorithm, cfg.algo, spec, objective, tokenizer, place, step_fn, init, frozen)
-    stepper = stepper_cls.build(setup, cfg)
-    if cfg.train.suites:  # an RL run (check_context): sampled by its rollout engine
-        stepper.suites = SuiteEvaluation.of(cfg.train, tokenizer, stepper.sampler()[0],
-                                            cfg.data.chat_template, cfg.rewards)
-    return cfg, setup, stepper
+    return cfg, setup, stepper_cls.build(setup, cfg)
 
 
 def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
     check_target(cfg)
+    check_context(cfg, registry.get(cfg.algo.name))  # (train.suites: an RL run's only)
+    suite_rows = load_rows(cfg.train.suites, limit=cfg.train.suites_limit)  # before compiling
     cfg, setup, stepper, plans = fitted(cfg, build, check=cfg.plan.check)
+    if suite_rows:  # sampled by the run's rollout engine at evaluations
+        stepper.suites = SuiteEvaluation.of(cfg.train, suite_rows, setup.tokenizer,
+                                            stepper.sampler()[0], cfg.data.chat_template,
+                                            cfg.rewards)
     check(cfg, plans)  # before anything is allocated; the run reuses the compiled programs
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -44,15 +44,15 @@ def initial_policy(spec: Any, shardings: Params, seed: int) -> Params:
 def reward_model_spec(path: str, policy_cfg: ModelConfig) -> ScalarSpec:
     """`algo.reward_model`'s spec, from its HF config (nothing loaded). Its vocabulary must
     be the policy's: it scores the policy's tokens. `path` may be a Hub id."""
-    path = hub.local_path(path, "algo.reward_model")
+    name, path = path, hub.local_path(path, "algo.reward_model", kind="model_meta")
     if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"algo.reward_model={path} is not an HF directory with config.json; "
+        raise ConfigError(f"algo.reward_model={name} is not an HF directory with config.json; "
                           f"export an algo=rm run with `gpurl export checkpoint=RUN_DIR out=DIR` "
                           f"and point algo.reward_model at DIR.")
     cfg = model_config_from_hf(path, dataclasses.replace(policy_cfg, checkpoint=path,
                                                          init="checkpoint"))
     if cfg.vocab_size != policy_cfg.vocab_size:
-        raise ConfigError(f"algo.reward_model={path} has a vocabulary of {cfg.vocab_size} tokens "
+        raise ConfigError(f"algo.reward_model={name} has a vocabulary of {cfg.vocab_size} tokens "
                           f"but the policy's has {policy_cfg.vocab_size}; train the reward model "
                           f"from the policy's base model (algo=rm) so both read the same tokens.")
     return scalar_spec(cfg)
@@ -68,13 +68,13 @@ def load_reward_model(path: str, policy_cfg: ModelConfig, mesh: Mesh,
     """`algo.reward_model`: an HF sequence-classification directory, placed on the trainer
     mesh (frozen)."""
     spec = reward_model_spec(path, policy_cfg)
-    path = hub.local_path(path, "algo.reward_model")
     return spec, reward_model_params(path, spec, reward_model_shardings(spec, mesh, rules))
 
 
 def reward_model_params(path: str, spec: ScalarSpec, shardings: Params) -> Params:
-    """The reward model's parameters, read from `path` straight into `shardings`."""
-    return load_scalar_hf(path, spec, shardings)
+    """The reward model's parameters, read from `path` (a Hub id: fetched first) straight
+    into `shardings`."""
+    return load_scalar_hf(hub.local_path(path, "algo.reward_model"), spec, shardings)
 
 
 def teacher_config(algo: TeacherConfig, student: ModelConfig) -> ModelConfig:
@@ -85,7 +85,7 @@ def teacher_config(algo: TeacherConfig, student: ModelConfig) -> ModelConfig:
         raise ConfigError(f"algo={algo.name} learns from a teacher but algo.teacher is not set; "
                           f"set algo.teacher to a Hub id (org/name), an HF directory or a .gguf "
                           f"file.")
-    path = Path(hub.local_path(algo.teacher, "algo.teacher")).expanduser()
+    path = Path(hub.local_path(algo.teacher, "algo.teacher", kind="model_meta")).expanduser()
     if not path.is_dir() and path.suffix != ".gguf" or not path.exists():
         raise ConfigError(f"algo.teacher={algo.teacher} is not an HF safetensors directory or a "
                           f".gguf file; point it to the teacher's weights (a `gpurl export` "
@@ -93,7 +93,9 @@ def teacher_config(algo: TeacherConfig, student: ModelConfig) -> ModelConfig:
     dtype = (algo.teacher_dtype if algo.teacher_dtype != "auto"
              else jnp.dtype(compute_dtype(student)).name)
     cfg = loading.resolve(dataclasses.replace(
-        student, name=f"teacher {algo.teacher}", checkpoint=str(path), init="checkpoint",
+        student, name=f"teacher {algo.teacher}", init="checkpoint",
+        checkpoint=hub.pinned(algo.teacher, "algo.teacher") if hub.is_hub_id(algo.teacher)
+        else str(path),
         lora=LoraConfig(), dtype=dtype, param_dtype=dtype))
     if cfg.vocab_size != student.vocab_size:
         raise ConfigError(f"algo.teacher={algo.teacher} has {cfg.vocab_size} vocabulary rows but "
@@ -106,7 +108,7 @@ def check_teacher_tokenizer(algo: TeacherConfig, teacher: ModelConfig,
                             student: Tokenizer) -> None:
     """The teacher reads the student's token ids: its own tokenizer (beside its weights,
     when it has one) must have the student's vocabulary and special ids."""
-    path = Path(teacher.checkpoint or "")
+    path = Path(loading.checkpoint_path(teacher, weights=False) or "")
     if path.is_dir() and not (path / "tokenizer.json").is_file():
         return  # no tokenizer shipped with the weights: the vocabulary size was checked
     own = loading.checkpoint_tokenizer(teacher)
