@@ -117,10 +117,7 @@ def _eval(cfg: EvalConfig, processes: int, devices: int) -> list[str]:
     rollout_shards(cfg.mesh, processes * devices)
     if cfg.suite:  # the suites' own rows and scorers (names checked by `to_config`)
         lines.append(f"suites: {', '.join(cfg.suite)}")
-        if cfg.suite_path is not None and not Path(cfg.suite_path).expanduser().exists():
-            raise ConfigError(f"suite_path={cfg.suite_path} does not exist; point it at a "
-                              f"local copy of the suite's rows.")
-        return lines + ([f"suite_path: {cfg.suite_path}"] if cfg.suite_path else [])
+        return lines + ([_exists("suite_path", cfg.suite_path)] if cfg.suite_path else [])
     return lines + _data(cfg.data) + _task(cfg)
 
 

@@ -14,16 +14,10 @@ from gpurl.distributed import runtime
 from gpurl.models.spec import Params
 from gpurl.models.tokenizer import Tokenizer
 from gpurl.rollout.engine import Engine
-from gpurl.rollout.suites import SuiteRunner, load_rows, logged
+from gpurl.rollout.suites import SuiteRunner, logged
 
 # Below this many new tokens, or stopping at a newline, no worked solution fits.
 _WORKED_TOKENS = 256
-
-
-def load_suites(cfg: EvalConfig) -> dict[str, list[dict]]:
-    """{suite: its gpurl rows}, read before any weights are loaded so a missing dataset
-    stops the command at once."""
-    return load_rows(cfg.suite, cfg.suite_path, cfg.limit)
 
 
 def describe(cfg: EvalConfig, rows: dict[str, list[dict]]) -> str:

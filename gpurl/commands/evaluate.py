@@ -22,6 +22,7 @@ from gpurl.models.tokenizer import Tokenizer
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.engine import Engine
 from gpurl.rollout.rounds import Rounds, rollout_engine
+from gpurl.rollout.suites import load_rows
 from gpurl.rollout.prompts import encode_prompts, prompt_tools
 from gpurl.rollout.requests import prompt_width
 from gpurl.train.checkpoint import Checkpointer
@@ -33,7 +34,8 @@ def evaluate(cfg: EvalConfig, from_run: Sequence[str] = ()) -> dict[str, float]:
     (`gpurl.cli.compose.inherit_run_task`); the first line says where each came from.
     With `cfg.suite`, the standard suites instead (`eval_suites`)."""
     runtime.initialize(cfg.distributed)
-    rows = eval_suites.load_suites(cfg) if cfg.suite else None  # before any weights are read
+    # the suites' rows before any weights are read: a missing dataset stops at once
+    rows = load_rows(cfg.suite, cfg.suite_path, cfg.limit) if cfg.suite else None
     step = None
     if cfg.checkpoint is not None:
         run_cfg, params = restore_run(cfg.checkpoint)

@@ -191,7 +191,14 @@ def _from_gsm8k(row: dict, where: str, cfg: DataConfig) -> dict:
     """{"question", "answer": "...reasoning... #### 72"} -> prompt, completion, answer "72"."""
     for field in ("question", "answer"):
         expect_str(row.get(field), f"{where}: {field!r}")
-    _, hashes, final = row["answer"].rpartition("####")
+    template = cfg.prompt_template or GSM8K_TEMPLATE
+    return {**row, "prompt": template.replace("{question}", row["question"]),
+            "completion": " " + row["answer"], "answer": gsm8k_answer(row["answer"], where)}
+
+
+def gsm8k_answer(solution: str, where: str) -> str:
+    """The number after a GSM8K solution's last "####", thousands separators dropped."""
+    _, hashes, final = solution.rpartition("####")
     number = final.strip().replace(",", "")
     if not hashes:
         raise ConfigError(f'{where}: "answer" has no "####" before the final answer; '
@@ -199,9 +206,7 @@ def _from_gsm8k(row: dict, where: str, cfg: DataConfig) -> dict:
     if not _NUMBER.fullmatch(number):
         raise ConfigError(f'{where}: the final answer after "####" is {final.strip()!r}, '
                           'not a number; write a number after "####".')
-    template = cfg.prompt_template or GSM8K_TEMPLATE
-    return {**row, "prompt": template.replace("{question}", row["question"]),
-            "completion": " " + row["answer"], "answer": number}
+    return number
 
 
 def _from_math(row: dict, where: str, cfg: DataConfig) -> dict:

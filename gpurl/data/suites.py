@@ -20,6 +20,7 @@ import numpy as np
 from gpurl.config import ConfigError
 from gpurl.config.checks import lookup
 from gpurl.data.layouts import expect_str
+from gpurl.data.sources import gsm8k_answer
 from gpurl.data.tables import columns, open_hub, open_table
 from gpurl.rewards.builtin import math_verify
 
@@ -107,12 +108,8 @@ def _text(row: dict, column: str, index: int) -> str:
 
 def _from_gsm8k(row: dict, index: int, seed: int) -> dict:
     """openai/gsm8k {"question", "answer": "...reasoning... #### 1,234"} -> answer "1234"."""
-    _, hashes, final = _text(row, "answer", index).rpartition("####")
-    if not hashes:
-        raise ConfigError(f'row {index}: "answer" has no "####" before the final answer; '
-                          'end it with "#### <number>".')
     return {"prompt": MATH_PROMPT.format(problem=_text(row, "question", index)),
-            "answer": final.strip().replace(",", "")}
+            "answer": gsm8k_answer(_text(row, "answer", index), f"row {index}")}
 
 
 def _from_math(row: dict, index: int, seed: int) -> dict:

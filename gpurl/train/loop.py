@@ -308,9 +308,7 @@ def _restore_or_init(s: _Session, init: Callable) -> tuple[Any, dict]:
 def _run_eval(s: _Session, state: Any, step: int, sink: MetricsSink, held_out: bool,
               suites: bool) -> dict[str, float]:
     """The held-out figures and/or `train.suites`' (whichever is due), logged as one row."""
-    figures = s.stepper.evaluate(state.params) if held_out else {}
-    if suites:
-        figures.update(s.stepper.evaluate_suites(state.params))
+    figures = s.stepper.evaluations(state.params, held_out, suites)
     sink.log(step, figures)
     sink.message(f"[gpurl] step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in figures.items()))
     return figures

@@ -187,8 +187,8 @@ class RLStepper(RLPrograms, Stepper):
         self.carry = {k: jnp.float32(meta.get(k, v)) for k, v in self.carry.items()}
         self.source.restore_meta(meta)
 
-    def evaluate(self, params: Any) -> dict[str, float]:
-        return self.rounds.evaluate(self.sampler()[1](params), self.evals, self.train.eval_pass_k,
+    def evaluate_sampled(self, params: Any) -> dict[str, float]:
+        return self.rounds.evaluate(params, self.evals, self.train.eval_pass_k,
                                     self.train.eval_batch_size, self.train.seed)
 
     def sampler(self) -> tuple[Any, Callable[[Any], Any]]:

@@ -98,6 +98,12 @@ class Stepper:
         raise NotImplementedError
 
     def evaluate(self, params: Any) -> dict[str, float]:
+        """The held-out figures of the trained `params` (a stepper that samples: through
+        `sampler` and `evaluate_sampled`)."""
+        return self.evaluate_sampled(self.sampler()[1](params))
+
+    def evaluate_sampled(self, params: Any) -> dict[str, float]:
+        """The held-out figures of `params` already in the sampler's layout."""
         raise NotImplementedError
 
     def sampler(self) -> tuple[Any, Callable[[Any], Any]] | None:
@@ -105,9 +111,14 @@ class Stepper:
         that samples (RL), for evaluations by sampling (`train.suites`); None otherwise."""
         return None
 
-    def evaluate_suites(self, params: Any) -> dict[str, float]:
-        """`train.suites`' figures (`eval/<suite>/avg@n`, ...) of the trained `params`."""
-        return self.suites(self.sampler()[1](params))
+    def evaluations(self, params: Any, held_out: bool, suites: bool) -> dict[str, float]:
+        """The held-out figures and/or `train.suites`' (`eval/<suite>/avg@n`, ...) of the
+        trained `params`, whichever is due; with suites, the weights go to the sampler's
+        layout once for both."""
+        if not suites:
+            return self.evaluate(params) if held_out else {}
+        sampled = self.sampler()[1](params)
+        return {**(self.evaluate_sampled(sampled) if held_out else {}), **self.suites(sampled)}
 
     def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         """Global shapes and dtypes of the train step's batch (the memory plan compiles it)."""
