@@ -1,19 +1,26 @@
-"""Decode throughput of gpurl's StaticSampler against the memory-bandwidth bound of the device.
+"""Decode throughput of gpurl's rollout engine against the memory-bandwidth bound of the
+device and against the GPU compiler's account of the same decode step.
 
 A decode step reads every parameter once and the KV cache of every row up to its current
 length, so on a GPU its time is bounded below by (parameter bytes + KV cache bytes read) /
-peak HBM bandwidth. This script times the StaticSampler (one jitted prefill + decode loop) on
-random weights of a preset (gemma2b by default, bf16), every row running to exactly
-`--new-tokens` tokens (no stop ids), and reports decode tokens/s and its fraction of that
-bound. Decode time is separated from the prefill by timing the same call with 1 and with
-`--new-tokens` new tokens: decode s = t(N) - t(1), for B x (N - 1) tokens. Each timing is
-the median of `--repeats` calls after a compiling call.
+peak HBM bandwidth. This script runs the rollout engine (`gpurl.rollout.engine`: the
+paged KV cache and decode chunks RL rollouts run) on random weights of a preset (gemma2b
+by default, bf16), `--batch` requests decoding at once (`rollout.slots`), every row to
+exactly `--new-tokens` tokens (no stop ids), and reports decode tokens/s and its fraction
+of that bound. Decode time is the engine's own: the seconds its decode chunks took and the
+steps they ran (`Engine.stats`), so the prefill is left out. The defaults (prompts of
+960 tokens, 64 new) put every step near a 1,024-token context: the unit of the
+compiler's account of an RL run of 64 + 960-token sequences, whose decode step
+`--account FILE` (a `gpurl plan plan.json` of that run: benchmarks/accounts/) gives as a
+second bound (its roofline at the full context, recomputed for the GPU measured). Each
+figure is the median of `--repeats` calls after a compiling call.
 
 Peak bandwidth comes from the GPU's name (nvidia-smi; H200 4.8 TB/s, H100 SXM 3.35 TB/s)
 or `--peak-bw-tbs`. `--smoke` (alias `--cpu-smoke`) runs a tiny model on CPU to check the
 script end to end (no bound is reported there unless `--peak-bw-tbs` is given).
 
-    python benchmarks/decode.py --model gemma2b --batch 256 --json decode.json   # GPU
+    python benchmarks/decode.py --model qwen3_1_7b \
+        --account benchmarks/accounts/rl_step_qwen3_1_7b.json --json decode.json   # GPU
     python benchmarks/decode.py --smoke --json /tmp/decode.json
 """
 
@@ -25,7 +32,6 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -39,24 +45,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="gemma2b", help="preset of configs/model/ (random weights)")
     p.add_argument("--dtype", default="bfloat16", help="compute and parameter dtype")
     p.add_argument("--batch", type=int, default=256, help="rows decoded together")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of every row")
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row")
+    p.add_argument("--prompt-tokens", type=int, default=960, help="prompt length of every row")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per length (median)")
     p.add_argument("--peak-bw-tbs", type=float, default=None,
                    help="peak memory bandwidth in TB/s; default: from the GPU's name")
+    p.add_argument("--block-size", type=int, default=64, help="rollout.block_size")
+    p.add_argument("--account", default=None,
+                   help="a `gpurl plan plan.json` of a run whose decode step to compare with")
     p.add_argument("--sampling-layers", default="auto", choices=["auto", "scan", "unrolled"],
                    help="model.sampling_layers (auto: unrolled on accelerators, a scan on CPU)")
     p.add_argument("--smoke", "--cpu-smoke", action="store_true",
-                   help="tiny model, batch 8, 8 + 8 tokens, on CPU: checks the script runs")
+                   help="tiny model, batch 8, 24 + 8 tokens, on CPU: checks the script runs")
     p.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "gpurl_decode.json"))
     args = p.parse_args(argv)
     if args.new_tokens < 2:
-        p.error("--new-tokens must be at least 2 (decode time = t(N) - t(1)).")
+        p.error("--new-tokens must be at least 2 (the first token comes from the prefill).")
     if args.smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"
-        args.model, args.dtype, args.batch = "tiny", "float32", 8
-        args.prompt_tokens, args.new_tokens, args.repeats = 8, 8, 2
+        args.model, args.dtype, args.batch, args.block_size = "tiny", "float32", 8, 8
+        args.prompt_tokens, args.new_tokens, args.repeats = 24, 8, 2
         args.sampling_layers = "unrolled"  # the accelerators' layout, so the smoke run covers it
     return args
 
@@ -99,22 +108,23 @@ def model_config(args: argparse.Namespace):
 
 
 def build(args: argparse.Namespace):
-    """(sampler, params on the rollout mesh, model spec) with random weights."""
+    """(engine, params in its sampling layout, model spec) with random weights."""
     import jax
 
     from gpurl.config import MeshConfig, RolloutConfig
     from gpurl.distributed.mesh import rollout_mesh
     from gpurl.models import model_spec
-    from gpurl.rollout.static import StaticSampler
+    from gpurl.rollout.engine import Engine
 
     spec, mesh_cfg = model_spec(model_config(args)), MeshConfig()
-    mesh = rollout_mesh(mesh_cfg)
-    sampler = StaticSampler(spec, RolloutConfig(top_k=0, top_p=1.0, max_new_tokens=args.new_tokens),
-                      mesh, mesh_cfg.sample_rules, stop_ids=(), pad_id=0)
+    rollout = RolloutConfig(max_new_tokens=args.new_tokens, temperature=args.temperature,
+                            slots=args.batch, block_size=args.block_size)
+    engine = Engine(spec, rollout, rollout_mesh(mesh_cfg), mesh_cfg.sample_rules, stop_ids=(),
+                    pad_id=0)
     # Created in the stored layout (stacked layers), then put in the sampling layout once
     # (unrolled layers on accelerators), so the timed calls convert nothing.
-    stored = jax.jit(spec.init, static_argnums=0, out_shardings=sampler.stacked_shardings)(0)
-    return sampler, sampler.place(stored), spec
+    stored = jax.jit(spec.init, static_argnums=0, out_shardings=engine.stacked_shardings)(0)
+    return engine, engine.place(stored), spec
 
 
 def kv_bytes_per_token(spec: Any) -> int:
@@ -127,20 +137,37 @@ def kv_bytes_per_token(spec: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v)))
 
 
-def time_calls(sampler: Any, params: Any, prompts: list[list[int]], new: int,
-               temperature: float, repeats: int) -> tuple[float, list[float]]:
-    """(first call s: compile + run, timed calls s)."""
-    import jax
+def gpu_target(device: str | None) -> Any:
+    """The `gpurl.plan.targets` GPU whose name (H100, H200, ...) the device's carries, or None."""
+    from gpurl.plan.targets import GPUS
 
-    def call(seed: int) -> float:
-        t0 = time.perf_counter()
-        out = sampler.generate(params, prompts, [seed * len(prompts) + i for i in range(len(prompts))],
-                               new, temperature)
-        jax.block_until_ready(out)
-        return time.perf_counter() - t0
+    return next((g for g in GPUS.values() if device and g.description.split()[1] in device), None)
 
-    first = call(0)
-    return first, [call(r + 1) for r in range(repeats)]
+
+def account_step(path: str, device: str | None) -> dict[str, Any]:
+    """The decode step of an account (`gpurl plan plan.json`): its unit, and its roofline
+    seconds on the GPU measured (from its flops and bytes) when that GPU is a known one,
+    else on the GPU it was compiled for."""
+    plan = json.loads(Path(path).read_text())
+    step = next(p for p in plan["rl_step"]["programs"] if p["program"] == "rollout decode chunk")
+    gpu = gpu_target(device)
+    if gpu is None:
+        return {"unit": step["unit"], "seconds": step["roofline_s"], "on": plan["target"]}
+    seconds = max(step["flops"] / gpu.bf16_flops, step["bytes"] / gpu.bandwidth)
+    return {"unit": step["unit"], "seconds": seconds, "on": gpu.description}
+
+
+def one_call(engine: Any, params: Any, prompts: list[list[int]], args: argparse.Namespace,
+             seed: int) -> dict[str, float]:
+    """The engine's statistics of one generation of every prompt."""
+    from gpurl.rollout.requests import Request
+
+    requests = [Request(tuple(p), args.new_tokens, args.temperature, seed=seed * len(prompts) + i)
+                for i, p in enumerate(prompts)]
+    done = engine.generate(params, requests)  # completions on the host: the work is done
+    if any(len(c.tokens) != args.new_tokens for c in done):
+        raise SystemExit("decode: a row stopped early; the engine was built without stop ids.")
+    return dict(engine.stats)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -151,48 +178,55 @@ def main(argv: Sequence[str] | None = None) -> None:
     from gpurl.models import count_params
 
     name = gpu_name() if jax.default_backend() == "gpu" else None
-    sampler, params, spec = build(args)
+    engine, params, spec = build(args)
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, spec.cfg.vocab_size, (args.batch, args.prompt_tokens)).tolist()
-    first_1, times_1 = time_calls(sampler, params, prompts, 1, args.temperature, args.repeats)
-    first_n, times_n = time_calls(sampler, params, prompts, args.new_tokens, args.temperature,
-                                  args.repeats)
-    t1, tn = statistics.median(times_1), statistics.median(times_n)
-    if tn <= t1:  # tiny smoke sizes: the decode loop is lost in the timing noise
-        print(f"decode time not resolved: t({args.new_tokens}) {tn:.4f} s <= t(1) {t1:.4f} s; "
-              "figures below use t(N) alone")
-    decode_s = tn - t1 if tn > t1 else tn
-    decoded = args.batch * (args.new_tokens - 1)
+    one_call(engine, params, prompts, args, 0)  # compiles
+    calls = [one_call(engine, params, prompts, args, r + 1) for r in range(args.repeats)]
+    steps = int(calls[0]["steps"])
+    decode_s = statistics.median(c["decode_s"] for c in calls)
+    decoded = args.batch * steps
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     kv_token = kv_bytes_per_token(spec)
-    # Step t (1..N-1) attends over the prompt and the t tokens before it.
-    contexts = [args.prompt_tokens + t for t in range(1, args.new_tokens)]
+    # The prefill samples the first token; decode step t (1..steps) attends over the prompt
+    # and the t tokens before it.
+    contexts = [args.prompt_tokens + t for t in range(1, steps + 1)]
     bytes_read = sum(param_bytes + args.batch * c * kv_token for c in contexts)
     bw = peak_bandwidth(args, name)
     result: dict[str, Any] = {
         "device": name or jax.devices()[0].device_kind, "backend": jax.default_backend(),
         "model": args.model, "params": count_params(params), "dtype": args.dtype,
         "batch": args.batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-        "temperature": args.temperature, "prefill_plus_1_s": round(t1, 4),
-        "total_s": round(tn, 4), "compile_s": round(first_n - tn, 2),
+        "temperature": args.temperature, "sampler": "engine", "decode_steps": steps,
+        "prefill_s": round(statistics.median(c["prefill_s"] for c in calls), 4),
         "decode_s": round(decode_s, 4), "decode_tok_s": round(decoded / decode_s, 1),
-        "decode_step_ms": round(1e3 * decode_s / (args.new_tokens - 1), 3),
+        "decode_step_ms": round(1e3 * decode_s / steps, 3),
         "param_gb": round(param_bytes / 1e9, 3),
         "kv_gb_read_per_step_mean": round(args.batch * statistics.mean(contexts) * kv_token / 1e9, 3),
-        "times_1_s": times_1, "times_n_s": times_n}
+        "decode_s_per_call": [c["decode_s"] for c in calls]}
     if bw:
         bound_s = bytes_read / bw
         result.update(peak_bw_tbs=bw / 1e12, bound_tok_s=round(decoded / bound_s, 1),
-                      bound_step_ms=round(1e3 * bound_s / (args.new_tokens - 1), 3),
+                      bound_step_ms=round(1e3 * bound_s / steps, 3),
                       fraction_of_bound=round(bound_s / decode_s, 3))
+    if args.account:  # the compiler's roofline of the same step at the account's context
+        acc = account_step(args.account, name)
+        result.update(account_unit=acc["unit"], account_on=acc["on"],
+                      account_step_ms=round(1e3 * acc["seconds"], 3),
+                      account_tok_s=round(args.batch / acc["seconds"], 1),
+                      fraction_of_account=round(acc["seconds"] * steps / decode_s, 3))
     print(f"decode {args.model} ({result['params']:,} params, {args.dtype}) on {result['device']}: "
           f"B={args.batch}, prompt {args.prompt_tokens}, {args.new_tokens} new tokens")
-    print("| decode tok/s | ms/step | HBM-bound tok/s | fraction of bound | params GB | "
-          "KV GB/step | prefill+1 s |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| decode tok/s | ms/step | HBM-bound tok/s | fraction of bound | account tok/s | "
+          "fraction of account | params GB | KV GB/step | prefill s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     print(f"| {result['decode_tok_s']} | {result['decode_step_ms']} | "
           f"{result.get('bound_tok_s', 'n/a')} | {result.get('fraction_of_bound', 'n/a')} | "
-          f"{result['param_gb']} | {result['kv_gb_read_per_step_mean']} | {result['prefill_plus_1_s']} |")
+          f"{result.get('account_tok_s', 'n/a')} | {result.get('fraction_of_account', 'n/a')} | "
+          f"{result['param_gb']} | {result['kv_gb_read_per_step_mean']} | {result['prefill_s']} |")
+    if args.account:
+        print(f"account: {result['account_unit']}, roofline {result['account_step_ms']} ms on "
+              f"{result['account_on']} ({args.account})")
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")
 

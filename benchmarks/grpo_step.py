@@ -54,14 +54,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    env = dict(os.environ, **({"JAX_PLATFORMS": "cpu"} if args.smoke else {}))
+def run_train(overrides: list[str], steps: int,
+              env: dict[str, str] | None = None) -> tuple[list[dict], dict, float]:
+    """(metrics.jsonl rows, summary.json, wall seconds) of `gpurl train` for `steps` steps
+    with COMMON and `overrides`, in a temporary run directory."""
     with tempfile.TemporaryDirectory(prefix="gpurl_grpo_step_") as tmp:
         run_dir = Path(tmp) / "run"
         command = [sys.executable, "-c", "import sys; from gpurl.cli import main; sys.exit(main())",
-                   "train", *COMMON, f"train.steps={args.steps}", f"run.dir={run_dir}",
-                   *args.overrides]
+                   "train", *COMMON, f"train.steps={steps}", f"run.dir={run_dir}", *overrides]
         print("[grpo_step] gpurl train " + " ".join(command[4:]), flush=True)
         start = time.perf_counter()
         subprocess.run(command, check=True, env=env)
@@ -70,6 +70,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                 if line.strip()]
         summary = json.loads((run_dir / "summary.json").read_text())
         shutil.rmtree(run_dir, ignore_errors=True)
+    return rows, summary, wall
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    env = dict(os.environ, **({"JAX_PLATFORMS": "cpu"} if args.smoke else {}))
+    rows, summary, wall = run_train(args.overrides, args.steps, env)
     every = sorted((r for r in rows if "time/step_s" in r), key=lambda r: r["step"])
     steps = every[args.warmup:]
     medians = {p: round(statistics.median(r[f"time/{p}_s"] for r in steps), 4) for p in PHASES}

@@ -83,8 +83,8 @@ def test_the_account_of_a_matmul_a_loop_and_in_place_updates(compiler):
     assert got["updates"]["bytes"] < 7 * 4 * 2 * 1024 * 4
 
 
-def test_a_one_layer_model_is_accounted_as_counted_by_hand(compiler):
-    done = gpu_compiler.gpurl(compiler, "plan", *ONE_LAYER)
+def test_a_one_layer_model_is_accounted_as_counted_by_hand(compiler, tmp_path):
+    done = gpu_compiler.gpurl(compiler, "plan", *ONE_LAYER, f"plan.json={tmp_path / 'plan.json'}")
     assert done.returncode == 0, done.stderr[-3000:]
     train = _ratios(done.stdout, "train step")
     decode = _ratios(done.stdout, "rollout decode chunk")
@@ -92,7 +92,39 @@ def test_a_one_layer_model_is_accounted_as_counted_by_hand(compiler):
     assert 0.9 <= train["flops"] <= 1.1, train  # 6NT + attention
     assert 0.9 <= decode["bytes"] <= 1.1, decode  # the weights once + the live KV cache
     assert 0.9 <= prefill["flops"] <= 1.1, prefill  # 2NT + attention
-    assert "compiler's bound on the RL step:" in done.stdout
+    rate = re.search(r"compiler's bound on the RL step: ([\d,]+) tokens/s", done.stdout)[1]
+    # plan.json: the same account in numbers, its bound the printed one, by phase
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    step = plan["rl_step"]
+    assert round(step["tokens_per_s_per_gpu"]) == int(rate.replace(",", ""))
+    assert sum(step["phases_s"].values()) == pytest.approx(
+        step["sequences"] * step["length"] / step["tokens_per_s_per_gpu"] / step["devices"])
+    programs = {p["program"]: p for p in step["programs"]}
+    assert set(programs) == {"rollout prefill", "rollout decode chunk", "prepare step", "train step"}
+    got = programs["train step"]["flops"] / programs["train step"]["ideal_flops"]
+    assert got == pytest.approx(train["flops"], abs=0.006)
+    assert step["phases_s"]["train step"] == pytest.approx(
+        programs["train step"]["roofline_s"] * step["calls"]["train step"])
+    assert plan["target"] == "NVIDIA H100 80GB HBM3" and plan["config"]["model"]["num_layers"] == 1
+    assert [m["program"] for m in plan["memory"]] == ["train step", "rollout"]
+    assert all(m["fits"] for m in plan["memory"])
+
+
+def test_the_committed_rl_step_account_is_what_the_compiler_says_now(compiler, tmp_path):
+    """benchmarks/rl_step.py compares a GPU's phases with accounts made without a GPU and
+    committed (benchmarks/accounts/): the smoke run's is remade here, with the same
+    overrides, and its programs' figures agree, so the accounts go stale in no silence."""
+    fresh = tmp_path / "rl_step_tiny.json"
+    done = gpu_compiler.python(compiler, "benchmarks/rl_step.py", "account", "--model", "tiny",
+                               "--account", str(fresh))
+    assert done.returncode == 0, done.stderr[-3000:]
+    root = gpu_compiler.ROOT / "benchmarks" / "accounts"
+    committed, now = (json.loads(p.read_text()) for p in (root / "rl_step_tiny.json", fresh))
+    assert committed["made"]["overrides"] == now["made"]["overrides"]
+    for old, new in zip(committed["rl_step"]["programs"], now["rl_step"]["programs"]):
+        assert old["program"] == new["program"]
+        for key in ("flops", "bytes"):  # remake with `rl_step.py account` if this fails
+            assert new[key] == pytest.approx(old[key], rel=0.25), (old["program"], key)
 
 
 def test_the_decode_loop_reads_weights_in_the_compute_dtype(compiler):

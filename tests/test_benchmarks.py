@@ -33,7 +33,7 @@ MARK = "=== smoke"  # the runner's lines: "=== smoke NAME ===", "=== smoke NAME:
 
 
 # benchmarks/gpu.sh --cpu-smoke passes --smoke to these (tests/test_gpu.py checks its table)
-BY_GPU_SH = ("decode", "grpo_step", "train_step")
+BY_GPU_SH = ("decode", "grpo_step", "rl_step", "train_step")
 
 
 def scripts() -> list[Path]:

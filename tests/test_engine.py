@@ -341,3 +341,35 @@ def test_the_prefix_cache_changes_no_token_and_no_logprob(gemma2: Tiny, setting:
     assert stats_on["cached_tokens"] > 0 and stats_off["cached_tokens"] == 0
     assert stats_on["prefill_tokens"] < stats_off["prefill_tokens"]
     assert stats_on["sequence_tokens"] == stats_off["sequence_tokens"]
+
+
+@pytest.mark.slow
+def test_ignore_eos_decodes_every_row_to_its_limit() -> None:
+    """rollout.ignore_eos (benchmarks): the rollout engine's stop ids leave EOS out, so a row
+    whose path emits EOS decodes on to rollout.max_new_tokens (a seed fixes the sample);
+    without it the row ends at EOS, and a rollout.stop string still stops either way."""
+    from conftest import TINY_MODEL
+    from gpurl.config import MeshConfig, ModelConfig, RolloutConfig
+    from gpurl.models import model_spec
+    from gpurl.models.tokenizer import byte_tokenizer
+    from gpurl.rollout.rounds import rollout_engine
+
+    spec = model_spec(ModelConfig(**TINY_MODEL, tokenizer="bytes"))
+    rollout = RolloutConfig(max_new_tokens=8, slots=2, block_size=4, ignore_eos=True)
+    tok = byte_tokenizer()
+    free = rollout_engine(spec, tok, rollout, MeshConfig())
+    params = free.place(spec.init(0))
+    prompt = Request((tok.bos_id, *tok.encode("12 + 7 =")), 8, 1.0, seed=3)
+    path = [int(t) for t in free.generate(params, [prompt])[0].tokens]
+    assert len(path) == 8 and free.stop_ids == ()
+    # the first token after the first that the path has not emitted before
+    k = next(i for i in range(1, 8) if path[i] not in path[:i])
+    tok.eos_id = path[k]  # a tokenizer whose EOS this model emits at position k
+    stops = rollout_engine(spec, tok, dataclasses.replace(rollout, ignore_eos=False), MeshConfig())
+    assert stops.stop_ids == (path[k],)
+    assert [int(t) for t in stops.generate(params, [prompt])[0].tokens] == path[:k + 1]
+    # with ignore_eos the same EOS is no stop (the engine above decoded past it) ...
+    assert rollout_engine(spec, tok, rollout, MeshConfig()).stop_ids == ()
+    # ... and a stop string still is: the tokens holding it, EOS not among them
+    stopped = rollout_engine(spec, tok, dataclasses.replace(rollout, stop=("7",)), MeshConfig())
+    assert stopped.stop_ids == (tok.encode("7")[0],) and tok.eos_id not in stopped.stop_ids

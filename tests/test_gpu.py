@@ -117,9 +117,12 @@ def test_real_model_bf16_logits_match_fp32(gemma3_gguf: Path):
 @pytest.mark.e2e
 def test_the_gpu_command_passes_its_cpu_smoke_form(tmp_path):
     """`benchmarks/gpu.sh --cpu-smoke`: every part of the GPU command at tiny sizes on CPU
-    (the gpu tier collected and skipped, train-step MFU, decode, the main job's breakdown, the
-MoE grouped matmul),
-    so the one command a lent GPU runs is known to work end to end before it gets one."""
+    (the gpu tier collected and skipped, train-step MFU, decode on the rollout engine twice
+    with the account's roofline, the GRPO step against its committed account, the main job's
+    breakdown, the MoE grouped matmul), so the one command a lent GPU runs is known to work
+    end to end before it gets one."""
+    import json
+
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gpu"
     run = subprocess.run(["bash", str(root / "benchmarks" / "gpu.sh"), "--cpu-smoke", str(out)],
@@ -130,7 +133,20 @@ MoE grouped matmul),
     assert not (out / "failed.txt").exists(), (out / "failed.txt").read_text()
     table = run.stdout[run.stdout.index("| measurement |"):]
     assert "not measured" not in table and "did not run" not in table, table
-    for row in ("gpu test tier", "train step MFU", "decode tok/s", "main job", "GRPO rollout",
-                "MoE grouped matmul, tiled"):
+    for row in ("gpu test tier", "train step MFU", "decode tok/s, tiny-sized, B=8",
+                "the compiler's account", "GRPO step, tiny-sized, 8 x 80 tokens: rollout",
+                "GRPO step, tiny-sized, 8 x 80 tokens: prepare step",
+                "GRPO step, tiny-sized, 8 x 80 tokens: RL tokens/s per GPU", "main job",
+                "main job: rollout", "MoE grouped matmul, tiled"):
         assert row in table, table
-
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["rows"]) == table.count("\n| ") - 1 and not summary["failed"]
+    assert set(summary["seconds"]) == {"gpu_tests", "train_step", "decode_gemma2b",
+                                       "decode_qwen3_1_7b", "rl_step", "grpo_step", "moe_kernel"}
+    # every row decoded in full (rollout.ignore_eos), the phases against a real account
+    step = json.loads((out / "rl_step.json").read_text())
+    assert step["completion_length"] == 16 and step["account"] == "benchmarks/accounts/rl_step_tiny.json"
+    assert all(step["bound_s"][k] > 0 and step["measured_s"][k] > 0
+               for k in ("rollout", "prepare step", "train step"))
+    decode = json.loads((out / "decode_qwen3_1_7b.json").read_text())
+    assert decode["decode_steps"] == 7 and decode["account_unit"].startswith("decode step (8 rows")

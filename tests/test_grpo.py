@@ -68,8 +68,10 @@ def test_mean_reward_rises(tmp_path, name):
     # (the MoE model's reward climbs later: 0.37 -> 0.76, pass@1 0 -> 0.25 in 30 steps)
     assert summary["eval/pass@1"] > summary["start"]["eval/pass@1"] + (0.2 if "moe" in name else 0.3)
     for key in ("loss", "grad_norm", "time/rollout_s", "time/reward_s", "time/train_s",
-                "completion/length", "groups/all_equal", *MISMATCH):
+                "time/prepare_s", "completion/length", "groups/all_equal", *MISMATCH):
         assert key in rows[-1]
+    # the prepare step is a part of the train phase: its outputs are ready before the step's
+    assert all(0 < r["time/prepare_s"] <= r["time/train_s"] + 1e-3 for r in rows)
     if name != "grpo_moe":  # one model, fp32: sampler and trainer agree to float rounding
         assert max(r["mismatch/logprob_abs_max"] for r in rows) < 1e-3
     if name == "grpo":

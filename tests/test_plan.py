@@ -95,14 +95,15 @@ def test_a_real_model_preset_without_weights_is_one_sentence():
 
 
 @pytest.mark.e2e
-def test_gpurl_plan_of_llama3_8b_on_8_simulated_gpus():
+def test_gpurl_plan_of_llama3_8b_on_8_simulated_gpus(tmp_path):
     """The small side of docs/scaling.md: GRPO on llama3_8b, fsdp over 8 simulated 80 GiB
     devices, 8 prompts of 512 tokens x G=8 x 1,024 new tokens (compile only): it fits, and
     the train step's arguments + scratch are within the 48 GiB target (547 GiB unrolled
-    without remat)."""
+    without remat). plan.json holds the same tables (no GPU account without plan.target)."""
     out = _gpurl("plan", "model=llama3_8b", "plan.devices=8", "mesh.data=1", "mesh.fsdp=-1",
                  "mesh.rollout_tp=8", "train.batch_size=8", "algo.num_generations=8",
-                 "plan.prompt_len=512", "rollout.max_new_tokens=1024", "data.num_eval=0")
+                 "plan.prompt_len=512", "rollout.max_new_tokens=1024", "data.num_eval=0",
+                 f"plan.json={tmp_path / 'plan.json'}")
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "trainer mesh {'data': 1, 'fsdp': 8, 'context': 1, 'expert': 1, 'tp': 1} of 8 cpu device(s)" in text
@@ -116,6 +117,11 @@ def test_gpurl_plan_of_llama3_8b_on_8_simulated_gpus():
     assert parts["parameters"] == pytest.approx(8_030_261_248 * 4 / 8 / GIB, rel=1e-3)
     assert parts["parameters"] + parts["optimizer state"] + parts["gradients"] \
         + parts["activations / scratch"] <= 48.0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["target"] is None and plan["rl_step"] is None
+    assert plan["config"]["model"]["remat"] == "full" and plan["config"]["plan"]["devices"] == 8
+    train = next(m for m in plan["memory"] if m["program"] == "train step")
+    assert train["fits"] and train["parts_gib"]["parameters"] == pytest.approx(parts["parameters"], abs=1e-3)
 
 
 @pytest.mark.slow

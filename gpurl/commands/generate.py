@@ -82,7 +82,8 @@ def generate(cfg: GenerateConfig) -> dict[int, tuple[str, int, float]]:
         mesh = layout.for_sampling(cfg.mesh, spec, job_devices())
         return Engine(spec, cfg.rollout, rollout_mesh(mesh),
                       cfg.mesh.sample_rules, pad_id=tokenizers["t"].pad_id,
-                      stop_ids=stop_token_ids(tokenizers["t"], _stops(cfg)))
+                      stop_ids=stop_token_ids(tokenizers["t"], _stops(cfg),
+                                              not cfg.rollout.ignore_eos))
 
     if cfg.env.on:
         return _trajectories(cfg, sampler_for, tokenizers)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import time
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 import jax
 
@@ -89,7 +91,8 @@ def compiled_for(cfg: Config) -> Iterator[None]:
         yield
 
 
-def plan_programs(cfg: Config) -> tuple[Config, Setup, list[ProgramPlan], str]:
+def plan_programs(cfg: Config) -> tuple[Config, Setup, list[ProgramPlan],
+                                        efficiency.RLBound | None]:
     """(the resolved config, what the run builds, the plan of each of its programs, the
     GPU compiler's bound on an RL step: plan.target only)."""
     with compiled_for(cfg):
@@ -99,7 +102,7 @@ def plan_programs(cfg: Config) -> tuple[Config, Setup, list[ProgramPlan], str]:
 
         cfg, setup, stepper, plans = fitted(planned_config(cfg), build, prepare)
         bound = (efficiency.accounts(cfg, setup, stepper, plans, targets.gpu(cfg.plan.target))
-                 if cfg.plan.target else "")
+                 if cfg.plan.target else None)
         return cfg, setup, plans, bound
 
 
@@ -120,8 +123,8 @@ def plan(cfg: Config) -> list[ProgramPlan]:
               f"{remat_policy(cfg.model)}; {total_s:.1f} s in all", flush=True)
         for p in plans:
             print(p.table(), flush=True)
-        if bound:
-            print(f"[gpurl] plan: {bound}", flush=True)
+        if bound is not None:
+            print(f"[gpurl] plan: {bound.line(targets.gpu(cfg.plan.target))}", flush=True)
         worst = max(plans, key=lambda p: p.total / p.limit)
         print(f"[gpurl] plan: {'fits' if all(p.fits for p in plans) else 'does NOT fit'} "
               f"(largest program: {worst.name}, {worst.total / GIB:.2f} of "
@@ -129,4 +132,23 @@ def plan(cfg: Config) -> list[ProgramPlan]:
         for p in plans:
             if not p.fits:
                 print(f"[gpurl] plan: {advice(cfg, p)}", flush=True)
+        if cfg.plan.json:
+            Path(cfg.plan.json).write_text(json.dumps(record(cfg, plans, bound), indent=1,
+                                                      default=str))
+            print(f"[gpurl] plan: wrote {cfg.plan.json}", flush=True)
     return plans
+
+
+def record(cfg: Config, plans: list[ProgramPlan],
+           bound: efficiency.RLBound | None) -> dict[str, Any]:
+    """plan.json's content: the resolved config, each program's memory per device (GiB, by
+    part) and, with plan.target, the RL step's bound with each program's account."""
+    gpu = targets.gpu(cfg.plan.target) if cfg.plan.target else None
+    return {"config": dataclasses.asdict(cfg),
+            "target": gpu.description if gpu else None,
+            "target_peak": ({"bf16_flops": gpu.bf16_flops, "bandwidth": gpu.bandwidth}
+                            if gpu else None),
+            "memory": [{"program": p.name, "gib": p.total / GIB, "limit_gib": p.limit / GIB,
+                        "fits": p.fits, "parts_gib": {k: v / GIB for k, v in p.parts.items()}}
+                       for p in plans],
+            "rl_step": bound.record(gpu) if bound is not None and gpu else None}

@@ -137,6 +137,10 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling mass
     top_k: int = 0  # keep the k most likely tokens; 0 = all
     stop: list[str] = field(default_factory=list)  # stop strings besides EOS; "\n" and "\t" mean newline and tab
+    # decode past EOS: every completion runs to rollout.max_new_tokens unless a rollout.stop
+    # string ends it (throughput benchmarks: vLLM's SamplingParams.ignore_eos); a training run
+    # then learns from text after EOS, so keep it off for real training
+    ignore_eos: bool = False
     slots: int = 64  # requests decoding at once per rollout data shard; the rest wait in a queue
     block_size: int = 64  # tokens per block of the paged KV cache
     # KV cache cap per data shard, in tokens; 0 = auto: the requests' worst case, capped by
@@ -356,6 +360,7 @@ class PlanConfig:
     device_memory_gb: float = 0.0  # memory of one device in GiB; 0 = the device's own (CPU: host RAM / local devices; simulated: 80; plan.target: its memory x XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75)
     check: bool = True  # gpurl train stops with one sentence when a program does not fit
     prompt_len: int = 0  # gpurl plan, RL: plan for prompts of this many tokens; 0 = the data's longest
+    json: str = ""  # gpurl plan: also write the plan to this JSON file (each program's memory; with plan.target the compiler's account of each program and the RL step's bound by phase)
 
     def __post_init__(self) -> None:
         _positive("plan.devices", self.devices, allow_zero=True)

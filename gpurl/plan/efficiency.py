@@ -3,7 +3,8 @@ work, by the compiler's own account of its optimized module (`gpurl.plan.account
 beside the ideal and the roofline time on the targeted GPU (`targets.GPUS`: its dense bf16
 peak and its memory bandwidth), and from them a bound on decode tokens/s and on an RL
 step's tokens/s per GPU. `gpurl plan plan.target=...` prints it under each program; tests
-and benchmarks call `accounts` and `rl_bound`.
+and benchmarks call `accounts` (its `RLBound`), and `gpurl plan plan.json=FILE` writes
+them as JSON.
 
 Units and ideals, per device:
 - decode step (the decode chunk's loop body: every row one token): the rollout's weights
@@ -70,6 +71,13 @@ class ProgramAccount:
     @property
     def flops_ratio(self) -> float | None:
         return self.cost.flops / self.ideal_flops if self.ideal_flops else None
+
+    def record(self, gpu: Gpu) -> dict[str, Any]:
+        """The account as JSON values (`gpurl plan plan.json=...`): per unit, per device."""
+        return {"program": self.name, "unit": self.unit, "flops": self.cost.flops,
+                "bytes": self.cost.bytes, "ideal_flops": self.ideal_flops,
+                "ideal_bytes": self.ideal_bytes, "ideal": self.ideal, "tokens": self.tokens,
+                "roofline_s": self.seconds(gpu), "bound": self.bound_by(gpu)}
 
     def lines(self, gpu: Gpu) -> list[str]:
         ratios = []
@@ -228,29 +236,61 @@ def _train_tokens(cfg: Any, batch: dict[str, Any]) -> tuple[float, float, float]
     return rows * length, rows * length, rows * _causal_pairs(cfg, length)
 
 
-def rl_bound(gpu: Gpu, decode: ProgramAccount, prefill: ProgramAccount,
-             steps: list[tuple[ProgramAccount, float]], new_tokens: int, waves: int,
-             sequences: int, length: int, devices: int) -> str:
-    """A bound on an RL step's tokens/s per GPU from the roofline times: `waves` rounds of
-    a prefill and `new_tokens` decode steps (every row to the longest completion, at the
-    decode step's full-context time), then each trainer program times its calls per step
-    (`steps`: (account, calls)); `sequences` of `length` tokens over `devices` GPUs."""
-    rollout = waves * (prefill.seconds(gpu) + new_tokens * decode.seconds(gpu))
-    train = sum(a.seconds(gpu) * calls for a, calls in steps)
-    total = rollout + train
-    rate = sequences * length / total / devices
-    return (f"compiler's bound on the RL step: {rate:,.0f} tokens/s per GPU ({sequences} "
-            f"sequences x {length} tokens; rollout {rollout:.2f} s + trainer {train:.2f} s at "
-            f"the roofline, every row decoding {new_tokens} tokens)")
+@dataclass
+class RLBound:
+    """An RL step at the roofline: `waves` rounds of a prefill and `new_tokens` decode
+    steps (every row to the longest completion, at the decode step's full-context time),
+    then each trainer program (`steps`: its account, calls per step); `sequences` of
+    `length` tokens over `devices` GPUs."""
+
+    prefill: ProgramAccount
+    decode: ProgramAccount
+    steps: list[tuple[ProgramAccount, float]]
+    new_tokens: int
+    waves: int
+    sequences: int
+    length: int
+    devices: int
+
+    def phases(self, gpu: Gpu) -> dict[str, float]:
+        """Roofline seconds per step: the rollout, then each trainer program by name."""
+        out = {"rollout": self.waves * (self.prefill.seconds(gpu)
+                                        + self.new_tokens * self.decode.seconds(gpu))}
+        for account, calls in self.steps:
+            out[account.name] = out.get(account.name, 0.0) + account.seconds(gpu) * calls
+        return out
+
+    def rate(self, gpu: Gpu) -> float:
+        """Tokens/s per GPU at the roofline."""
+        return self.sequences * self.length / sum(self.phases(gpu).values()) / self.devices
+
+    def line(self, gpu: Gpu) -> str:
+        phases = self.phases(gpu)
+        train = sum(v for k, v in phases.items() if k != "rollout")
+        return (f"compiler's bound on the RL step: {self.rate(gpu):,.0f} tokens/s per GPU "
+                f"({self.sequences} sequences x {self.length} tokens; rollout "
+                f"{phases['rollout']:.2f} s + trainer {train:.2f} s at the roofline, every row "
+                f"decoding {self.new_tokens} tokens)")
+
+    def record(self, gpu: Gpu) -> dict[str, Any]:
+        """The bound as JSON values: each phase's roofline seconds, what they count, and
+        each program's account (per unit, per device)."""
+        return {"tokens_per_s_per_gpu": self.rate(gpu), "phases_s": self.phases(gpu),
+                "sequences": self.sequences, "length": self.length, "devices": self.devices,
+                "new_tokens": self.new_tokens, "waves": self.waves,
+                "calls": {a.name: calls for a, calls in self.steps},
+                "programs": [a.record(gpu) for a in
+                             (self.prefill, self.decode, *(a for a, _ in self.steps))]}
 
 
 # ------------------------------------------------------------------ a run's programs
 
 
-def accounts(cfg: Config, setup: Any, stepper: Any, plans: list[Any], gpu: Gpu) -> str:
+def accounts(cfg: Config, setup: Any, stepper: Any, plans: list[Any],
+             gpu: Gpu) -> RLBound | None:
     """The account of every GPU program the plan compiled (and the RL prepare step,
-    compiled here), as lines under each plan's table, and the RL step's bound; returns
-    the bound's line (empty without a rollout). Programs are found by `Kind`."""
+    compiled here), as lines under each plan's table; returns the RL step's bound (None
+    without a rollout). Programs are found by `Kind`."""
     by_kind = {p.kind: p for p in plans}
     train_plan = by_kind[Kind.TRAIN]
     lora = cfg.model.lora.rank > 0
@@ -263,7 +303,7 @@ def accounts(cfg: Config, setup: Any, stepper: Any, plans: list[Any], gpu: Gpu) 
     round_ = stepper.rollout_round()
     rollout_plan = by_kind.get(Kind.ROLLOUT)
     if round_ is None or rollout_plan is None:
-        return ""
+        return None
     engine, rows, width, group = round_.engine, round_.rows, round_.width, round_.group
     prefill = prefill_account(engine, rollout_plan.gpu_programs[Kind.PREFILL], rows, width, group)
     decode = decode_account(engine, rollout_plan.gpu_programs[Kind.DECODE], rows, width, group)
@@ -282,6 +322,5 @@ def accounts(cfg: Config, setup: Any, stepper: Any, plans: list[Any], gpu: Gpu) 
     passes = getattr(cfg.algo, "num_iterations", 1) if family is Family.RL else 1
     steps.append((train, passes * sequences * length / max(train.tokens * devices, 1.0)))
     waves = math.ceil(-(-rows // engine.local_shards) / engine.cfg.slots)
-    bound = rl_bound(gpu, decode, prefill, steps, engine.cfg.max_new_tokens, waves, sequences,
-                     length, devices)
-    return bound
+    return RLBound(prefill, decode, steps, engine.cfg.max_new_tokens, waves, sequences, length,
+                   devices)

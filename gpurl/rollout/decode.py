@@ -14,10 +14,11 @@ def _token_texts(tokenizer: Tokenizer) -> tuple[str, ...]:
     return tuple(tokenizer.tok.decode_batch(ids, skip_special_tokens=False))
 
 
-def stop_token_ids(tokenizer: Tokenizer, stop: Sequence[str]) -> list[int]:
-    """EOS plus every token whose text contains a stop string: the device stops on them;
-    `truncate` then cuts the text at the stop string itself."""
-    ids = {tokenizer.eos_id}
+def stop_token_ids(tokenizer: Tokenizer, stop: Sequence[str], eos: bool = True) -> list[int]:
+    """EOS (unless `eos` is false: rollout.ignore_eos) plus every token whose text contains a
+    stop string: the device stops on them; `truncate` then cuts the text at the stop string
+    itself."""
+    ids = {tokenizer.eos_id} if eos else set()
     if stop:
         ids |= {i for i, text in enumerate(_token_texts(tokenizer)) if any(s in text for s in stop)}
     return sorted(ids)

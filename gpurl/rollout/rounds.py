@@ -93,10 +93,11 @@ def rollout_engine(spec: ModelSpec, tokenizer: Tokenizer, rollout: RolloutConfig
                    mesh: MeshConfig, devices: Sequence[jax.Device] | None = None,
                    env: EnvConfig | None = None) -> Engine:
     """The rollout engine on the rollout mesh (`devices`: split placement's), stopping at
-    EOS and the tokens of `stop_strings`."""
+    EOS (unless rollout.ignore_eos) and the tokens of `stop_strings`."""
     stop = stop_strings(rollout, env)
     return Engine(spec, rollout, rollout_mesh(mesh, devices), mesh.sample_rules,
-                  stop_ids=stop_token_ids(tokenizer, stop), pad_id=tokenizer.pad_id)
+                  stop_ids=stop_token_ids(tokenizer, stop, not rollout.ignore_eos),
+                  pad_id=tokenizer.pad_id)
 
 
 def check_rows(prompts: int, group: int, count: int, shards: int) -> None:

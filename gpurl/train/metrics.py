@@ -11,6 +11,7 @@ import os
 import secrets
 import string
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -40,9 +41,18 @@ class DeviceTimer:
     waited before the metrics are read, on reading (`float`). `exclude` takes out host
     time spent on other work meanwhile (a rollout overlapped with training)."""
 
-    def __init__(self, value: Any, start: float | None = None):
+    def __init__(self, value: Any, start: float | None = None, watch: bool = False):
         self.start = time.perf_counter() if start is None else start
         self.value, self.end, self.excluded = value, None, 0.0
+        # watch: a thread takes the end when `value` is ready, while the host dispatches on
+        # (a phase the host never waits for by itself: the prepare step before its train step)
+        self._watcher = threading.Thread(target=self._wait, daemon=True) if watch else None
+        if self._watcher is not None:
+            self._watcher.start()
+
+    def _wait(self) -> None:
+        jax.block_until_ready(self.value)
+        self.observe()
 
     def exclude(self, seconds: float) -> None:
         self.excluded += seconds
@@ -54,6 +64,8 @@ class DeviceTimer:
             self.end = time.perf_counter() if at is None else at
 
     def __float__(self) -> float:
+        if self._watcher is not None:
+            self._watcher.join()
         if self.end is None:
             jax.block_until_ready(self.value)
             self.observe()

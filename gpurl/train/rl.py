@@ -72,8 +72,7 @@ class RLStepper(RLPrograms, Stepper):
         self.has_eval = self.evals is not None
         self.frozen = setup.frozen  # the reference, a reward model, a teacher (loaded late)
         # With an environment its reward is the task's; reward functions apply when named.
-        multi_turn = env is not None and env.on
-        self.functions = load_rewards(rewards, [] if multi_turn else default_rewards(data))
+        self.functions = load_rewards(rewards, [] if env and env.on else default_rewards(data))
         longest = max(len(t) for t in self.prompts.tokens + (self.evals.tokens if self.evals else []))
         # mesh.rollout_tp=auto: the width leaving the most room for the KV pool beside what
         # stays on the devices (colocated: the train state and the frozen models)
@@ -155,13 +154,14 @@ class RLStepper(RLPrograms, Stepper):
         ref, rm, teacher = self.frozen.values()
         batch, prepared, self.carry = self._prepare(state.params, ref, rm, teacher, got.batch,
                                                     packed, got.rewards, self.carry)
+        prepare = DeviceTimer(batch, start=got.assembled_at, watch=True)  # of time/train_s
         nonfinite = 0.0
         for _ in range(self.algo.num_iterations):
             state, metrics = self.setup.step_fn(state, batch, teacher, *static)  # dispatched, not awaited
             nonfinite = nonfinite + metrics["nonfinite"]  # updates left out, all iterations
         self._timer = DeviceTimer(nonfinite, start=got.assembled_at)  # assembly + prepare + train
         metrics = {**metrics, **prepared, **got.metrics, "nonfinite": nonfinite,
-                   "time/sync_s": t_sync, "time/train_s": self._timer}
+                   "time/sync_s": t_sync, "time/train_s": self._timer, "time/prepare_s": prepare}
         if self.overlap:
             metrics["off_policy/lag"] = got.lag
         if "reward/model" in prepared:  # scored on the trainer mesh, after the functions
