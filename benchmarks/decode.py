@@ -138,23 +138,27 @@ def kv_bytes_per_token(spec: Any) -> int:
 
 
 def gpu_target(device: str | None) -> Any:
-    """The `gpurl.plan.targets` GPU whose name (H100, H200, ...) the device's carries, or None."""
+    """The `gpurl.plan.targets` GPU of that name (nvidia-smi's: "NVIDIA H100 80GB HBM3",
+    "NVIDIA H200"), or None: a variant (PCIe, NVL) has other peaks."""
     from gpurl.plan.targets import GPUS
 
-    return next((g for g in GPUS.values() if device and g.description.split()[1] in device), None)
+    return next((g for g in GPUS.values() if g.description == device), None)
 
 
-def account_step(path: str, device: str | None) -> dict[str, Any]:
+def account_step(path: str, device: str | None, contexts: list[int]) -> dict[str, Any]:
     """The decode step of an account (`gpurl plan plan.json`): its unit, and its roofline
-    seconds on the GPU measured (from its flops and bytes) when that GPU is a known one,
-    else on the GPU it was compiled for."""
+    seconds at the mean of `contexts` (its live KV cache's bytes scaled from the unit's
+    full context; no sliding window in the presets measured) on the GPU measured when that
+    GPU is a known one, else on the GPU it was compiled for."""
     plan = json.loads(Path(path).read_text())
     step = next(p for p in plan["rl_step"]["programs"] if p["program"] == "rollout decode chunk")
     gpu = gpu_target(device)
-    if gpu is None:
-        return {"unit": step["unit"], "seconds": step["roofline_s"], "on": plan["target"]}
-    seconds = max(step["flops"] / gpu.bf16_flops, step["bytes"] / gpu.bandwidth)
-    return {"unit": step["unit"], "seconds": seconds, "on": gpu.description}
+    peak, bandwidth = ((gpu.bf16_flops, gpu.bandwidth) if gpu else
+                       (plan["target_peak"]["bf16_flops"], plan["target_peak"]["bandwidth"]))
+    share = statistics.mean(contexts) / plan["rl_step"]["length"]
+    bytes_ = step["bytes"] - step["kv_bytes"] * (1.0 - share)
+    return {"unit": step["unit"], "seconds": max(step["flops"] / peak, bytes_ / bandwidth),
+            "on": gpu.description if gpu else plan["target"]}
 
 
 def one_call(engine: Any, params: Any, prompts: list[list[int]], args: argparse.Namespace,
@@ -209,8 +213,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         result.update(peak_bw_tbs=bw / 1e12, bound_tok_s=round(decoded / bound_s, 1),
                       bound_step_ms=round(1e3 * bound_s / steps, 3),
                       fraction_of_bound=round(bound_s / decode_s, 3))
-    if args.account:  # the compiler's roofline of the same step at the account's context
-        acc = account_step(args.account, name)
+    if args.account:  # the compiler's roofline of the same step, at these contexts
+        acc = account_step(args.account, name, contexts)
         result.update(account_unit=acc["unit"], account_on=acc["on"],
                       account_step_ms=round(1e3 * acc["seconds"], 3),
                       account_tok_s=round(args.batch / acc["seconds"], 1),

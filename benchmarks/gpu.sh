@@ -31,6 +31,9 @@ mkdir -p "$OUT"
 START=$SECONDS
 # A second run on the same machine (a rerun after a failed part) compiles nothing again.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-${TMPDIR:-/tmp}/gpurl-jax-cache}
+# This tree's gpurl for every part (scripts, pytest and `gpurl train` alike), before any
+# other copy on the path (benchmarks/gpu_bundle.sh's env.sh puts its own first).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 ACCOUNTS=benchmarks/accounts
 if [ $SMOKE = 1 ]; then
@@ -44,7 +47,10 @@ if [ $SMOKE = 1 ]; then
   MOE_ARGS="--rows 256 --d-model 128 --expert-width 64 --experts 8 --repeats 2"
   LIMITS=(120 600 300 300 300 300 120)
 else
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+  # one GPU: the accounts are of one-GPU runs, and every part takes the devices it sees
+  export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv -i "${CUDA_VISIBLE_DEVICES%%,*}" \
+    | tee "$OUT/gpu.txt"
   TRAIN_ARGS=""  # train_step.py's defaults: gemma2b, bf16, batch 4 x 2048 tokens
   # 256 rows, prompts of 960 tokens + 64 new: every step near the accounts' 1,024-token context
   DECODE_GEMMA_ARGS="--model gemma2b --batch 256 --repeats 2 --account $ACCOUNTS/rl_step_gemma2b.json"
@@ -52,20 +58,21 @@ else
   RL_ARGS="--model qwen3_1_7b --steps 2"  # 256 x (64 + 960) tokens; the first step compiles
   GRPO_ARGS="--steps 10"  # the main job: GRPO on Gemma 3 270M (bf16 on GPU), 4 prompts x G=8
   MOE_ARGS=""  # qwen3_30b_a3b's experts: D 2048, F 768, 16 per device, 512 and 16,384 copies
-  # seconds: 470 in all, the rest of 8 minutes for start-up (ceilings: unmeasured on a GPU
-  # for the decode and GRPO-step parts; the first GPU run sets them)
-  LIMITS=(55 45 40 40 210 55 25)
+  # seconds: 460 in all, the rest of 8 minutes for start-up (ceilings: the tier, the decode
+  # and GRPO-step parts have never run on a GPU; the first GPU run sets them)
+  LIMITS=(75 55 35 35 190 50 20)
 fi
 
 run_part() {  # name, limit seconds, command...
   local name=$1 limit=$2; shift 2
   echo "=== $name (limit ${limit} s) ==="
   local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  # KILL: `gpurl train` takes SIGTERM as "checkpoint and stop", which would outlast the limit
+  timeout -s KILL "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc after $((SECONDS - t0)) s ==="
   echo "$name $((SECONDS - t0))" >> "$OUT/seconds.txt"
-  [ $rc = 0 ] || echo "$name: exit $rc (124 = time limit)" >> "$OUT/failed.txt"
+  [ $rc = 0 ] || echo "$name: exit $rc (137 = killed at the time limit)" >> "$OUT/failed.txt"
 }
 
 # shellcheck disable=SC2086  # the argument lists are meant to split
@@ -182,5 +189,5 @@ seconds = (out / "seconds.txt").read_text().split() if (out / "seconds.txt").exi
     {"gpu": gpu[0] if gpu else None, "rows": rows, "failed": failed,
      "seconds": dict(zip(seconds[::2], map(int, seconds[1::2])))}, indent=1))
 EOF
-[ -f "$OUT/failed.txt" ] && cat "$OUT/failed.txt"
 echo "gpu.sh: $((SECONDS - START)) s in all; results in $OUT"
+if [ -f "$OUT/failed.txt" ]; then cat "$OUT/failed.txt"; exit 1; fi

@@ -2,7 +2,7 @@
 
 Runs `gpurl train` (the main job by default: GRPO on Gemma 3 270M, 4 prompts x G=8,
 <= 8 new tokens; extra Hydra overrides after `--`) for `--steps` steps with evaluation
-and intermediate checkpoints off, then reads the phase times gpurl logs in
+and checkpoints off, then reads the phase times gpurl logs in
 metrics.jsonl (`time/rollout_s`, `time/reward_s`, `time/train_s`, `time/sync_s`,
 `time/step_s`) and reports their medians over the steps after the first `--warmup`
 (the first step compiles). Peak memory comes from the run's summary.json; the
@@ -30,9 +30,9 @@ from typing import Any, Sequence
 PHASES = ("rollout", "reward", "train", "sync", "step")
 MISMATCH = ("mismatch/logprob_abs_mean", "mismatch/logprob_abs_max", "mismatch/k3_kl",
             "mismatch/over_threshold")
-# Evaluation and per-step checkpoints off: only training steps run.
+# Evaluation and checkpoints off (none at the end either): only training steps run.
 COMMON = ["algo=grpo", "data.num_eval=0", "train.eval_every=0", "train.checkpoint_every=0",
-          "logger=console"]
+          "train.save_final=false", "logger=console"]
 # A tiny random model on CPU: checks this script end to end in seconds.
 SMOKE = ["model=tiny", "model.tokenizer=bytes", "data=arithmetic", "data.num_train=64",
          "data.max_len=16", "train.batch_size=4", "algo.num_generations=4",

@@ -11,11 +11,12 @@ weight sync, and the step's RL tokens/s per GPU. Each is set against its rooflin
 `gpurl plan plan.target=h100 plan.json=...` of the same overrides (an account made here
 without a GPU, committed in benchmarks/accounts/): flops and HBM bytes per program from
 XLA's GPU compiler, the roofline recomputed for the GPU measured (H100 or H200 figures of
-`gpurl.plan.targets`). measured / bound is how many times the roofline a phase took; the
-train step's MFU is the account's ideal flops of the step's calls over its measured time
-at the GPU's dense bf16 peak.
+`gpurl.plan.targets`; a decode step's live KV cache read at its own context). measured /
+bound is how many times the roofline a phase took; the train step's MFU is the model
+flops of the step's calls (6NT + attention, remat's recompute not counted) over its
+measured time at the GPU's dense bf16 peak.
 
-    PYTHONPATH=.venv/gpu-compiler python benchmarks/rl_step.py account   # here, ~3 min a model
+    PYTHONPATH=.venv/gpu-compiler python benchmarks/rl_step.py account   # here, ~30 s a model
     python benchmarks/rl_step.py run --json rl_step.json                 # on the GPU
     python benchmarks/rl_step.py --smoke                                 # tiny model, CPU
 """
@@ -123,8 +124,11 @@ def bound(plan: dict[str, Any], gpu: Any) -> tuple[dict[str, float], float, str]
                                                         plan["target_peak"]["bandwidth"])
     seconds = {p["program"]: max(p["flops"] / peak[0], p["bytes"] / peak[1])
                for p in step["programs"]}
+    # a decode step reads the live KV cache at its own context: the mean over the round's
+    decode = next(p for p in step["programs"] if p["program"] == "rollout decode chunk")
+    decode_s = max(decode["flops"] / peak[0], step["decode_bytes"] / peak[1])
     phases = {"rollout": step["waves"] * (seconds["rollout prefill"]
-                                          + step["new_tokens"] * seconds["rollout decode chunk"])}
+                                          + step["new_tokens"] * decode_s)}
     phases.update({name: seconds[name] * step["calls"][name] for name in TRAINER})
     return phases, peak[0], gpu.description if gpu else plan["target"]
 
@@ -150,7 +154,7 @@ def measure(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
     step = plan["rl_step"]
     tokens = step["sequences"] * step["length"]
     train = next(p for p in step["programs"] if p["program"] == "train step")
-    ideal = train["ideal_flops"] * step["calls"]["train step"]  # per device, per step
+    model = train["model_flops"] * step["calls"]["train step"]  # per device, per step, no remat
     return {"model": args.model, "device": device, "bound_on": bound_on,
             "account": str(args.account.relative_to(ROOT) if args.account.is_relative_to(ROOT)
                            else args.account),
@@ -160,7 +164,7 @@ def measure(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
             "x_bound": {k: measured[k] / v for k, v in phases.items()},
             "tokens_per_s_per_gpu": tokens / measured["step"] / step["devices"],
             "bound_tokens_per_s_per_gpu": tokens / sum(phases.values()) / step["devices"],
-            "train_mfu": ideal / measured["train step"] / peak,
+            "train_mfu": model / measured["train step"] / peak,
             "completion_length": median("completion/length"),
             "first_step_s": min(rows, key=lambda r: r.get("step", 0)).get("time/step_s"),
             "wall_s": round(wall, 1),

@@ -115,3 +115,16 @@ def test_eval_summary_packing_and_wandb_offline(tmp_path):
     assert [p.name for p in (tmp_path / "run/checkpoints").iterdir()] == ["4"]
     offline = list((tmp_path / "run/wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("*.wandb"))  # the run was recorded
+
+
+def test_save_final_false_with_checkpoint_every_0_saves_no_checkpoint(tmp_path):
+    """train.save_final=false (benchmarks, throwaway sweeps): no checkpoint at the end, and
+    with train.checkpoint_every=0 none at all; the run's metrics and summary are written."""
+    cfg = make_config(model=TINY_MODEL, data={"max_len": 24, "num_train": 16, "num_eval": 0},
+                      train={"steps": 2, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0,
+                             "save_final": False},
+                      run={"dir": str(tmp_path / "run")})
+    summary = train(cfg)
+    assert summary["finished"] and summary["step"] == 2
+    assert not list((tmp_path / "run").glob("checkpoints/*"))
+    assert len((tmp_path / "run/metrics.jsonl").read_text().splitlines()) >= 2

@@ -86,6 +86,7 @@ class TrainConfig:
     eval_every: int = 100  # evaluate every N steps (and at the end); 0 = only at the end
     eval_batch_size: int = 64  # rows per eval forward pass
     checkpoint_every: int = 100  # save a checkpoint every N steps (and at the end); 0 = only at the end
+    save_final: bool = True  # save a checkpoint after the last step; false with checkpoint_every=0: none at all (benchmarks, throwaway sweeps)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     log_every: int = 1  # write metrics every N steps
     eval_pass_k: int = 4  # RL eval: samples per held-out prompt for pass@k (rollout temperature); 0 = greedy only

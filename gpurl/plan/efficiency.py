@@ -55,6 +55,8 @@ class ProgramAccount:
     ideal: str = ""  # what the ideal counts
     tokens: float = 0.0  # tokens a unit processes per device (decode: rows)
     notes: list[str] = field(default_factory=list)
+    model_flops: float = 0.0  # train: the ideal without remat's recompute (MFU counts these)
+    kv_bytes: float = 0.0  # decode: the ideal's live KV cache, read at the unit's full context
 
     def seconds(self, gpu: Gpu) -> float:
         """Roofline time: the larger of flops at the peak and bytes at the bandwidth."""
@@ -77,6 +79,7 @@ class ProgramAccount:
         return {"program": self.name, "unit": self.unit, "flops": self.cost.flops,
                 "bytes": self.cost.bytes, "ideal_flops": self.ideal_flops,
                 "ideal_bytes": self.ideal_bytes, "ideal": self.ideal, "tokens": self.tokens,
+                "model_flops": self.model_flops, "kv_bytes": self.kv_bytes,
                 "roofline_s": self.seconds(gpu), "bound": self.bound_by(gpu)}
 
     def lines(self, gpu: Gpu) -> list[str]:
@@ -180,7 +183,8 @@ def decode_account(engine: Any, compiled: Any, rows: int, width: int, group: int
     return ProgramAccount(
         "rollout decode chunk", f"decode step ({per_shard} rows, {context:,}-token context)",
         cost, flops, weights + kv,
-        f"weights {weights / GB:.2f} GB once + live KV {kv / GB:.2f} GB", per_shard, notes)
+        f"weights {weights / GB:.2f} GB once + live KV {kv / GB:.2f} GB", per_shard, notes,
+        kv_bytes=kv)
 
 
 def prefill_account(engine: Any, compiled: Any, rows: int, width: int, group: int) -> ProgramAccount:
@@ -217,7 +221,8 @@ def train_account(name: str, compiled: Any, spec: Any, batch: dict[str, Any], de
     flops = ((passes + extra) * layers_fwd + passes * head_fwd) / devices
     return ProgramAccount(
         name, f"call ({tokens:,.0f} token slots, {head:,.0f} predicted)", cost, flops, 0.0,
-        f"{2 * passes}NT{' + 2NT remat' if extra else ''} + attention", tokens / devices)
+        f"{2 * passes}NT{' + 2NT remat' if extra else ''} + attention", tokens / devices,
+        model_flops=passes * (layers_fwd + head_fwd) / devices)
 
 
 def _train_tokens(cfg: Any, batch: dict[str, Any]) -> tuple[float, float, float]:
@@ -239,9 +244,10 @@ def _train_tokens(cfg: Any, batch: dict[str, Any]) -> tuple[float, float, float]
 @dataclass
 class RLBound:
     """An RL step at the roofline: `waves` rounds of a prefill and `new_tokens` decode
-    steps (every row to the longest completion, at the decode step's full-context time),
-    then each trainer program (`steps`: its account, calls per step); `sequences` of
-    `length` tokens over `devices` GPUs."""
+    steps (every row to the longest completion; a step reads `decode_bytes`, the decode
+    account's bytes with its live KV cache at the mean context of the round's steps), then
+    each trainer program (`steps`: its account, calls per step); `sequences` of `length`
+    tokens over `devices` GPUs."""
 
     prefill: ProgramAccount
     decode: ProgramAccount
@@ -251,11 +257,12 @@ class RLBound:
     sequences: int
     length: int
     devices: int
+    decode_bytes: float
 
     def phases(self, gpu: Gpu) -> dict[str, float]:
         """Roofline seconds per step: the rollout, then each trainer program by name."""
-        out = {"rollout": self.waves * (self.prefill.seconds(gpu)
-                                        + self.new_tokens * self.decode.seconds(gpu))}
+        step = max(self.decode.cost.flops / gpu.bf16_flops, self.decode_bytes / gpu.bandwidth)
+        out = {"rollout": self.waves * (self.prefill.seconds(gpu) + self.new_tokens * step)}
         for account, calls in self.steps:
             out[account.name] = out.get(account.name, 0.0) + account.seconds(gpu) * calls
         return out
@@ -270,7 +277,7 @@ class RLBound:
         return (f"compiler's bound on the RL step: {self.rate(gpu):,.0f} tokens/s per GPU "
                 f"({self.sequences} sequences x {self.length} tokens; rollout "
                 f"{phases['rollout']:.2f} s + trainer {train:.2f} s at the roofline, every row "
-                f"decoding {self.new_tokens} tokens)")
+                f"decoding {self.new_tokens} tokens, each step at its own context)")
 
     def record(self, gpu: Gpu) -> dict[str, Any]:
         """The bound as JSON values: each phase's roofline seconds, what they count, and
@@ -278,6 +285,7 @@ class RLBound:
         return {"tokens_per_s_per_gpu": self.rate(gpu), "phases_s": self.phases(gpu),
                 "sequences": self.sequences, "length": self.length, "devices": self.devices,
                 "new_tokens": self.new_tokens, "waves": self.waves,
+                "decode_bytes": self.decode_bytes,
                 "calls": {a.name: calls for a, calls in self.steps},
                 "programs": [a.record(gpu) for a in
                              (self.prefill, self.decode, *(a for a, _ in self.steps))]}
@@ -322,5 +330,9 @@ def accounts(cfg: Config, setup: Any, stepper: Any, plans: list[Any],
     passes = getattr(cfg.algo, "num_iterations", 1) if family is Family.RL else 1
     steps.append((train, passes * sequences * length / max(train.tokens * devices, 1.0)))
     waves = math.ceil(-(-rows // engine.local_shards) / engine.cfg.slots)
-    return RLBound(prefill, decode, steps, engine.cfg.max_new_tokens, waves, sequences, length,
-                   devices)
+    new = engine.cfg.max_new_tokens
+    # the live KV cache a step reads grows with its context: the mean over the round's steps
+    full = _window_tokens(engine.spec.cfg, width + new)
+    share = np.mean([_window_tokens(engine.spec.cfg, width + t) for t in range(1, new + 1)]) / full
+    return RLBound(prefill, decode, steps, new, waves, sequences, length, devices,
+                   decode.cost.bytes - decode.kv_bytes * (1.0 - share))

@@ -176,7 +176,7 @@ def first_step_advice(cfg: Config, step: int, metrics: dict[str, float]) -> list
     """Warnings on a run's first step whose completions cannot hold an answer: every one
     cut at the length limit, or none scored while a newline stop ends each at one line."""
     lines = []
-    if metrics.get("completion/truncated", 0.0) >= 1.0:
+    if metrics.get("completion/truncated", 0.0) >= 1.0 and not cfg.rollout.ignore_eos:
         limit = (f"env.max_tokens={cfg.env.max_tokens}" if cfg.env.on
                  else f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
         lines.append(f"[gpurl] warning: every completion of step {step} reached {limit}, so "
@@ -348,7 +348,8 @@ def _run_steps(s: _Session, state: Any, start: int, skipped: int, sink: MetricsS
             queue.flush()
             last_eval = {**last_eval, **_run_eval(s, state, step, sink, held_out, suites)}
             queue.reset_clock()
-        if final or stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+        if ((final and cfg.save_final) or stopping
+                or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
             queue.flush()  # rows up to a checkpoint are on disk before it exists
             s.ckpt.save(step, checkpointed(s.place, state),
                         {"step": step, "examples_seen": step * cfg.batch_size,

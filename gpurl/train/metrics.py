@@ -53,6 +53,7 @@ class DeviceTimer:
     def _wait(self) -> None:
         jax.block_until_ready(self.value)
         self.observe()
+        self.value = None  # (the arrays it watched may go before the metrics are read)
 
     def exclude(self, seconds: float) -> None:
         self.excluded += seconds
