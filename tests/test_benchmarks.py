@@ -81,8 +81,8 @@ def test_gpu_sh_runs_the_smoke_forms_left_to_it():
     smoke = text[text.index('if [ $SMOKE = 1 ]; then'):text.index("else")]
     for name in BY_GPU_SH:
         assert f"benchmarks/{name}.py" in text, name
-    for args in ("TRAIN_ARGS", "DECODE_ARGS", "GRPO_ARGS"):
-        assert f'{args}="--smoke"' in smoke, args
+    for args in ("TRAIN_ARGS", "DECODE_GEMMA_ARGS", "DECODE_QWEN_ARGS", "RL_ARGS", "GRPO_ARGS"):
+        assert f'{args}="--smoke"' in smoke or f'{args}="--smoke ' in smoke, args
 
 
 @pytest.mark.slow
