@@ -100,6 +100,7 @@ def test_pack_for_a_target_with_every_requirement_holds_the_source_tree(source_b
     assert script == SCRIPT.read_bytes() == (source_bundle / "gpu_bundle.sh").read_bytes()
 
 
+@pytest.mark.slow  # pip installs (the unit tier keeps the error paths)
 def test_receive_collects_the_parts_and_install_runs_gpurl_from_them(source_bundle, tmp_path):
     inbox, store, dest = tmp_path / "inbox", tmp_path / "store", tmp_path / "dest"
     inbox.mkdir()
@@ -143,6 +144,7 @@ def test_install_names_a_damaged_or_missing_part_and_touches_nothing(source_bund
     assert not dest.exists()
 
 
+@pytest.mark.slow  # pip installs (the unit tier keeps the error paths)
 def test_check_names_a_requirement_at_a_version_that_does_not_fit(source_bundle, tmp_path):
     """DEST/site comes before this Python's packages: an einops 0.1 there is the one gpurl gets."""
     dest = tmp_path / "dest"

@@ -117,6 +117,7 @@ def test_eval_summary_packing_and_wandb_offline(tmp_path):
     assert len(offline) == 1 and list(offline[0].glob("*.wandb"))  # the run was recorded
 
 
+@pytest.mark.e2e
 def test_save_final_false_with_checkpoint_every_0_saves_no_checkpoint(tmp_path):
     """train.save_final=false (benchmarks, throwaway sweeps): no checkpoint at the end, and
     with train.checkpoint_every=0 none at all; the run's metrics and summary are written."""
