@@ -101,8 +101,10 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 gpu = (out / "gpu.txt").read_text().splitlines()[1:2] if (out / "gpu.txt").exists() else ["cpu"]
-PEAK_BF16 = {"H200": 989.4, "H100": 989.4}  # dense bf16 TFLOP/s (SXM datasheets)
-peak = next((v for k, v in PEAK_BF16.items() if k in (gpu[0] if gpu else "")), None)
+from gpurl.plan.targets import GPUS  # each known GPU's dense bf16 peak, by nvidia-smi's name
+
+name = gpu[0].split(",")[0].strip() if gpu else ""
+peak = next((g.bf16_flops / 1e12 for g in GPUS.values() if g.description == name), None)
 rows = []  # (measurement, measured, bound, measured against the bound, goal)
 
 
