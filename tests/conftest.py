@@ -9,10 +9,31 @@ import os
 import shutil
 import tempfile
 
+# XLA's CPU compiler with its costly optimizations off, for every program the suite compiles,
+# in this process and in every process a test starts (`xla_flags`): the tests check what the
+# programs compute, never how fast they run, and these tiny programs spend most of their
+# time in the compiler (LLVM at -O0 and the older elemental fusion emitters: the unit tier
+# 160 s -> 98 s on 2 cores). The floating-point semantics are the same (XLA's fast-math
+# stays off either way). GPURL_TEST_XLA_FLAGS="" runs the suite with XLA's default flags.
+COMPILE_XLA_FLAGS = os.environ.get(
+    "GPURL_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0 "
+    "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
+
+
+def xla_flags(devices: int | None = 4) -> str:
+    """XLA_FLAGS for a process of the suite: `devices` host devices (None: JAX's default,
+    one) and the suite's compiler flags."""
+    count = f"--xla_force_host_platform_device_count={devices}" if devices else ""
+    return f"{count} {COMPILE_XLA_FLAGS}".strip()
+
+
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=4").strip()
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(4)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One OpenMP thread for torch (transformers' references) and NumPy's BLAS: `make test` runs a
+# pytest worker per core, and a second OpenMP thread spins waiting for a core the other
+# worker holds (the real model's greedy reference took 61 s in the suite instead of 3 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # No test reaches the network: the Hugging Face Hub is offline, and its cache is an empty
 # folder of this session (a test that needs a cached model or dataset builds one, and the
 # download path is tested against a loopback server: tests/test_hub.py).
@@ -35,10 +56,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # A size limit turns on the cache's file lock, so that no process reads an entry another is
 # still writing (`make test` runs 2 pytest workers, and tests start `gpurl` processes).
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 << 30))
-# For processes that only check that a script runs end to end (the benchmarks' smoke forms,
-# gpu.sh --cpu-smoke), whose timings nobody reads: XLA's CPU backend skips its costly LLVM
-# optimizations, which cuts their compile time by about a third (the same programs, slower).
-SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+# Every process of the session records itself and its compiles in one ledger, read at the
+# end against each tier's ceilings (tests/suite_budget.py, tests/budget.json).
+from suite_budget import BudgetPlugin, start_ledger  # noqa: E402
+
+start_ledger()
 
 import dataclasses  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -113,6 +136,10 @@ WORKER_GROUPS = {
 }
 GROUP_MARKERS = {"processes": ("multiprocess", "slurm"), "realmodel": ("realmodel",)}
 _GROUP_OF_FILE = {f: group for group, files in WORKER_GROUPS.items() for f in files}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(BudgetPlugin(config), "suite_budget")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMOKE_XLA_FLAGS
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -92,7 +92,7 @@ def test_every_benchmark_runs_its_smoke_form():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     # 4 host devices, as the suite (benchmarks/context.py splits rows over 4)
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {SMOKE_XLA_FLAGS}")
+               XLA_FLAGS=xla_flags(4))
     run = subprocess.run([sys.executable, __file__], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, timeout=1500)
     parts = sections(run.stdout)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 REPEATS = int(os.environ.get("GPURL_EXIT_REPEATS", "1"))
 TINY = ["model=tiny", "logger.progress=false"]
@@ -44,7 +46,7 @@ CASES = {
 
 
 def _gpurl(args: list[str], tmp: Path, name: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(None)}
     args = [a.replace("{tmp}", str(tmp)) for a in args]
     if not any(a.startswith("run.dir=") for a in args):
         args.append(f"run.dir={tmp}/{name.replace(' ', '_')}")

@@ -3,7 +3,9 @@ of a trajectory on the tiny model, and failures that end trajectories, not runs.
 
 from __future__ import annotations
 
+import functools
 import json
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -129,7 +131,15 @@ class Scripted(Environment):
 
 TOK = byte_tokenizer()
 SPEC = model_spec(ModelConfig(**TINY_MODEL, tokenizer="bytes"))
-PARAMS = SPEC.init(0)
+
+
+@functools.cache
+def params() -> Any:
+    """The tiny model's weights, drawn when a test first needs them (not at collection: its
+    25 eager programs compiled in every pytest worker)."""
+    return SPEC.init(0)
+
+
 PROMPTS = Prompts([{"prompt": f"q{i} =", "answer": str(i)} for i in range(4)],
                   [[TOK.bos_id] + TOK.encode(f"q{i} =") if TOK.bos_id is not None
                    else TOK.encode(f"q{i} =") for i in range(4)])
@@ -150,7 +160,7 @@ def test_a_three_turn_trajectory_has_the_hand_built_layout():
     env = EnvConfig(name="test_envs:Scripted", max_turns=5, max_tokens=40)
     rounds = env_rounds(env)
     seeds = np.arange(8, dtype=np.uint32) + 100
-    r = rounds.run(PARAMS, PROMPTS, np.arange(4), 2, seeds)
+    r = rounds.run(params(), PROMPTS, np.arange(4), 2, seeds)
     tokens, lengths = to_host(r.rollout.tokens), to_host(r.rollout.lengths)
     logprobs, mask = to_host(r.rollout.logprobs), to_host(r.rollout.mask)
     scores = to_host(r.scores)
@@ -163,7 +173,7 @@ def test_a_three_turn_trajectory_has_the_hand_built_layout():
             want_tokens += obs
             want_mask += [0] * len(obs)
             want_lp += [0.0] * len(obs)
-            c = sampler.generate(PARAMS, [Request(tuple(prompt + want_tokens), 5, 1.0, seed=seed,
+            c = sampler.generate(params(), [Request(tuple(prompt + want_tokens), 5, 1.0, seed=seed,
                                                   offset=drawn)])[0]
             want_tokens += c.tokens.tolist()
             want_mask += [1] * len(c.tokens)
@@ -184,7 +194,7 @@ def test_a_three_turn_trajectory_has_the_hand_built_layout():
                                         jnp.ones(8, bool))
     batch = rollout.arrays()
     assert np.array_equal(np.asarray(batch["comp_mask"]).reshape(8, -1), mask)
-    forward, _ = group_logprobs(SPEC, PARAMS, batch)
+    forward, _ = group_logprobs(SPEC, params(), batch)
     forward = np.asarray(forward).reshape(8, -1)
     np.testing.assert_allclose(forward * mask, logprobs * mask, atol=1e-4)
 
@@ -232,11 +242,11 @@ def test_a_checkpointed_trajectory_goes_on_as_the_uninterrupted_one():
 def test_trajectories_end_at_max_turns_and_max_tokens():
     rounds = env_rounds(EnvConfig(name="test_envs:Scripted", max_turns=2, max_tokens=40,
                                   reward="last"), temperature=0.0)
-    r = rounds.run(PARAMS, PROMPTS, np.arange(4), 1, np.zeros(4, np.uint32))
+    r = rounds.run(params(), PROMPTS, np.arange(4), 1, np.zeros(4, np.uint32))
     env = to_host(r.env)
     assert env[:, 1].tolist() == [2] * 4 and np.allclose(env[:, 0], 0.25)  # the last step's
     short = env_rounds(EnvConfig(name="test_envs:Scripted", max_tokens=9), temperature=0.0)
-    r = short.run(PARAMS, PROMPTS, np.arange(4), 1, np.zeros(4, np.uint32))
+    r = short.run(params(), PROMPTS, np.arange(4), 1, np.zeros(4, np.uint32))
     lengths, mask = to_host(r.rollout.lengths), to_host(r.rollout.mask)
     assert (lengths <= 9).all() and (mask.sum(-1) >= 1).all()
 

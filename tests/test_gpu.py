@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import SMOKE_XLA_FLAGS
+from conftest import xla_flags
 from gpurl.config import MeshConfig, ModelConfig
 from gpurl.distributed.mesh import trainer_mesh, tree_shardings
 from gpurl.kernels.paged_attention import paged_decode_attention
@@ -128,7 +128,7 @@ def test_the_gpu_command_passes_its_cpu_smoke_form(tmp_path):
     run = subprocess.run(["bash", str(root / "benchmarks" / "gpu.sh"), "--cpu-smoke", str(out)],
                          capture_output=True, text=True, timeout=900, cwd=root,
                          env={**os.environ, "PYTHON": sys.executable,
-                              "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {SMOKE_XLA_FLAGS}"})
+                              "XLA_FLAGS": xla_flags(4)})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert not (out / "failed.txt").exists(), (out / "failed.txt").read_text()
     table = run.stdout[run.stdout.index("| measurement |"):]

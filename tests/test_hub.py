@@ -27,7 +27,7 @@ from gpurl.models.hf_export import export_hf
 from gpurl.models.spec import model_spec
 from gpurl.models.tokenizer import byte_tokenizer
 from gpurl.train.weights import reward_model_spec, teacher_config
-from conftest import make_config
+from conftest import make_config, xla_flags
 from hub_server import HubServer, Repo, commit_id, files_of, lay_out_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,7 +232,7 @@ def test_two_processes_one_download_both_load(repos, tmp_path: Path) -> None:
         server.requests.clear()
         env = {**os.environ, "HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0",
                "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(ROOT),
-               "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+               "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(None)}
         env.pop("HF_TOKEN", None)
         procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, cwd=tmp_path,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

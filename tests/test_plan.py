@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import TINY_MODEL, make_config
+from conftest import TINY_MODEL, make_config, xla_flags
 from gpurl.config import ConfigError
 from gpurl.train import loop
 from gpurl.plan.memory import GIB
@@ -31,7 +31,7 @@ RL = dict(algo={"name": "grpo", "num_generations": 4, "beta": 0.04}, model=TINY_
 
 def _gpurl(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """`gpurl` in a fresh process (one CPU device unless `env` says otherwise)."""
-    base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    base = {**os.environ, "XLA_FLAGS": xla_flags(None)}
     return subprocess.run([sys.executable, "-m", "gpurl.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env={**base, **(env or {})}, cwd=ROOT)
 

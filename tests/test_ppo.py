@@ -293,8 +293,10 @@ def test_reward_model_trains_matches_transformers_and_drives_ppo(tmp_path):
     train(cfg)
     rows = _steps(tmp_path / "ppo_rm")
     learned = np.asarray([r["reward/model"] for r in rows])
-    # Random bytes already score high (they are not digits); the headroom is ~0.5.
-    assert learned[-4:].mean() > learned[:4].mean() + 0.2, learned.tolist()
+    # Random bytes already score high (they are not digits); the headroom is ~0.5. A step's
+    # learned reward swings by +-1 (2.2 to 4.3), so the first and last 10 steps are compared
+    # (+0.47 and +0.48 under two compilers' float32 rounding; 4-step means moved 0.3 with it)
+    assert learned[-10:].mean() > learned[:10].mean() + 0.2, learned.tolist()
     # the training reward is the learned one: the letters share has weight 0
     assert all(r["reward/mean"] == pytest.approx(r["reward/model"], abs=1e-4) for r in rows)
     assert "reward/test_ppo:letters" in rows[-1]

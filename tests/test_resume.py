@@ -19,6 +19,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from conftest import xla_flags
 from gpurl.train.restore import restore_run
 from test_multiprocess import GRPO_ARGS
 
@@ -42,7 +43,7 @@ GRPO = [a for a in GRPO_ARGS
 def _start(args: list[str], run_dir: Path, commits: Path | None = None) -> subprocess.Popen:
     """`gpurl train`; with `commits`, every checkpoint commit is held open (slow_commit.py)."""
     entry = [str(TESTS / "slow_commit.py")] if commits else ["-m", "gpurl.cli"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(2),
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     if commits:
         commits.mkdir(exist_ok=True)

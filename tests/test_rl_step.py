@@ -3,6 +3,7 @@ sampling, and the prompt + completion sequences the trainer sees."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import jax.numpy as jnp
@@ -195,6 +196,14 @@ def test_a_rounds_tokens_cross_to_a_device_once(tmp_path, monkeypatch):
         train={"steps": 1, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0},
         rollout={"max_new_tokens": 8, "decode_chunk": 3}, logger={"progress": False},
         run={"dir": str(tmp_path)})
+    # the prepare step's watcher thread wakes only once the train phase's end is taken (as
+    # a loaded host may schedule it): time/prepare_s still reads as a part of time/train_s
+    from gpurl.train import metrics as timers
+
+    ended, wait, observe = threading.Event(), timers.DeviceTimer._wait, timers.DeviceTimer.observe
+    monkeypatch.setattr(timers.DeviceTimer, "_wait", lambda self: ended.wait(60) and wait(self))
+    monkeypatch.setattr(timers.DeviceTimer, "observe", lambda self, at=None: (
+        observe(self, at), self._watcher is None and ended.set()) and None)
     puts, fetched, rounds, got = [], [], [], []
     to_device, local_rows, to_host = host.to_device, host.local_rows, host.to_host
     monkeypatch.setattr(host, "to_device", lambda x, sharding: puts.append(x) or to_device(x, sharding))
@@ -206,9 +215,11 @@ def test_a_rounds_tokens_cross_to_a_device_once(tmp_path, monkeypatch):
         stepper.rounds.run = lambda *a, **k: rounds.append(run(*a, **k)) or rounds[-1]
         collect = stepper.collector.collect
         stepper.collector.collect = lambda *a: got.append(collect(*a)) or got[-1]
-        state, _ = stepper.step(setup.init(), 0)
+        state, metrics = stepper.step(setup.init(), 0)
         jax.block_until_ready(state)
         fetches = len(fetched)
+        train_s = float(metrics["time/train_s"])
+        assert 0 < float(metrics["time/prepare_s"]) <= train_s
         batch = got[0].batch
         want = np.concatenate([np.asarray(batch.prompt_lengths)[:, None],
                                np.asarray(batch.completion_lengths)], axis=1)

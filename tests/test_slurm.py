@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import xla_flags
 from gpurl.train.restore import restore_run
 import slurm_cluster
 from slurm_cluster import LocalSlurm
@@ -35,7 +36,7 @@ def test_srun_two_tasks_train_grpo_into_one_run(local_slurm: LocalSlurm, tmp_pat
     run_dir = tmp_path / "run"
     # One CPU device per task (conftest forces 4 in this process's XLA_FLAGS, which srun
     # would otherwise pass on); --label prefixes each line with its task id.
-    env = local_slurm.env(XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    env = local_slurm.env(XLA_FLAGS=xla_flags(1),
                           JAX_PLATFORMS="cpu")
     cmd = ["srun", "--label", "-n", "2", "--ntasks-per-node=2", "-c", "1", "--time=5",
            "--kill-on-bad-exit=1", *_gpurl(), "train", *GRPO_ARGS, f"run.dir={run_dir}"]

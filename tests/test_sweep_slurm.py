@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import xla_flags
 import slurm_cluster
 from slurm_cluster import LocalSlurm
 
@@ -28,7 +29,7 @@ needs_plugin = pytest.mark.skipif(
 def test_submitit_sweep_of_two_jobs_on_local_slurm(local_slurm: LocalSlurm, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     # One CPU device per task (conftest forces 4 in this process's XLA_FLAGS).
-    env = local_slurm.env(XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    env = local_slurm.env(XLA_FLAGS=xla_flags(1),
                           JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "gpurl.cli", "train", "-m", "hydra/launcher=slurm",
            "hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1",

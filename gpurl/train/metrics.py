@@ -73,6 +73,20 @@ class DeviceTimer:
         return max(self.end - self.start - self.excluded, 0.0)
 
 
+class Within:
+    """The time of a phase that lies within another (the prepare step within the train
+    phase): at most that one's. The two ends are taken on different host threads (a watcher
+    for the inner phase), and under load the watcher can wake after the main thread has
+    already seen the outer phase end."""
+
+    def __init__(self, inner: DeviceTimer, outer: DeviceTimer):
+        self.inner, self.outer = inner, outer
+
+    def __float__(self) -> float:
+        outer = float(self.outer)
+        return min(float(self.inner), outer)
+
+
 class Sum:
     """A metric adding values that may live on different devices (under split placement
     the rollout's metrics on the rollout devices, the prepare step's on the trainer's): added

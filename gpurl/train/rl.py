@@ -38,7 +38,7 @@ from gpurl.rollout.prompts import Prompts, encode_prompts, prompt_tools
 from gpurl.rollout.requests import prompt_width
 from gpurl.rollout.sources import batch_source
 from gpurl.rollout.weights import PolicyWeights
-from gpurl.train.metrics import DeviceTimer, Sum
+from gpurl.train.metrics import DeviceTimer, Sum, Within
 from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.rl_programs import RLPrograms
 from gpurl.train.stepper import Setup, Stepper
@@ -160,8 +160,8 @@ class RLStepper(RLPrograms, Stepper):
             state, metrics = self.setup.step_fn(state, batch, teacher, *static)  # dispatched, not awaited
             nonfinite = nonfinite + metrics["nonfinite"]  # updates left out, all iterations
         self._timer = DeviceTimer(nonfinite, start=got.assembled_at)  # assembly + prepare + train
-        metrics = {**metrics, **prepared, **got.metrics, "nonfinite": nonfinite,
-                   "time/sync_s": t_sync, "time/train_s": self._timer, "time/prepare_s": prepare}
+        metrics = {**metrics, **prepared, **got.metrics, "nonfinite": nonfinite, "time/sync_s": t_sync,
+                   "time/train_s": self._timer, "time/prepare_s": Within(prepare, self._timer)}
         if self.overlap:
             metrics["off_policy/lag"] = got.lag
         if "reward/model" in prepared:  # scored on the trainer mesh, after the functions
