@@ -91,13 +91,14 @@ def local_path(value: str, key: str, kind: str = "model", local: str | None = No
                      str(cache_dir()), offline())
 
 
-def pinned(value: str, key: str, kind: str = "model_meta") -> str:
+def pinned(value: str, key: str, kind: str = "model_meta", local: str | None = None) -> str:
     """A Hub id as `org/name@<commit>` (the commit it resolves to now, fetched if needed),
     so that a resumed, evaluated or exported run reads what it started from; anything else
-    unchanged."""
+    unchanged. (A job of several processes pins through `gpurl.distributed.pins`, which
+    gives them all process 0's commit.)"""
     if not is_hub_id(value):
         return value
-    return f"{split_id(value)[0]}@{Path(local_path(value, key, kind)).name}"
+    return f"{split_id(value)[0]}@{Path(local_path(value, key, kind, local)).name}"
 
 
 def describe(value: str, key: str, kind: str = "model") -> str:

@@ -230,6 +230,16 @@ def test_the_teacher_is_sharded_like_the_student_and_counted_by_the_plan(tmp_pat
     assert whole / 4 <= part < whole / 2
 
 
+def test_a_kl_penalty_in_the_reward_of_on_policy_distillation_is_refused():
+    """algo=opd scales the rewards' group advantages by algo.task_weight (0 by default), so
+    a KL penalty in the reward would vanish (or be weighed by task_weight, never by beta):
+    refused in one sentence; the penalty in the loss stays available."""
+    with pytest.raises(ConfigError, match=r"^algo=opd weighs the rewards' advantages by "
+                                          r"algo.task_weight=0, .* or algo.beta=0\.$"):
+        registry_config("opd", teacher="t", beta=0.05, kl_in_reward=True)
+    registry_config("opd", teacher="t", beta=0.05, kl_in_reward=False)
+
+
 def test_teacher_errors_are_one_sentence(tmp_path, own_teacher):
     from gpurl.models.tokenizer import byte_tokenizer
     from gpurl.train.loop import build

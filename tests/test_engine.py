@@ -16,6 +16,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -94,15 +95,51 @@ def test_engine_greedy_equals_the_static_sampler_per_family(tiny_models: Any, fa
 @pytest.mark.parametrize("setting", [pytest.param("greedy", marks=pytest.mark.slow), "nucleus"])
 def test_engine_logprobs_match_training_forward(gemma2: Tiny, setting: str) -> None:
     done = _generate(engine(gemma2, setting), gemma2, PROMPTS, SEEDS)
+    # the whole tempered softmax, whatever nucleus the token was drawn from
+    ours, ref = behaviour_logprobs(gemma2, _rollout(done), SAMPLING[setting])
+    assert _max_diff(ours, ref) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("setting", ["top_k_50", "top_p_0.9"])
+def test_truncated_sampling_leaves_every_behaviour_correction_at_one(gemma2: Tiny,
+                                                                     setting: str) -> None:
+    """The same weights sample with top-k 50 or top-p 0.9 (of 300 tokens) and train: log r =
+    log pi_old - log pi_sampler is 0 to float32 rounding on every token, so truncated
+    weights (C = 2) read at the token, sequence and geometric level are all 1, IcePop's band
+    [0.5, 5] read at each level masks nothing, and no token is over the mismatch
+    threshold. Before, the sampler recorded the truncated distribution's log-probs, and r
+    was the kept mass S on every token (`behaviour_logprobs` checks that S binds here)."""
+    from gpurl.algorithms.behaviour import behaviour_weights, mismatch_metrics
+    from gpurl.config import TISLevel
+
+    done = _generate(engine(gemma2, setting), gemma2, PROMPTS, SEEDS)
+    rollout = _rollout(done)
+    sampler, trainer = behaviour_logprobs(gemma2, rollout, SAMPLING[setting])
+    n = max(map(len, sampler))
+    pad = lambda rows: jnp.asarray([np.pad(r, (0, n - len(r))) for r in rows], jnp.float32)  # noqa: E731
+    sampler_BxN, old_BxN = pad(sampler), pad(trainer)
+    mask_BxN = pad([np.ones(len(r)) for r in sampler])
+    log_r = np.asarray((old_BxN - sampler_BxN) * mask_BxN)
+    assert np.abs(log_r).max() < LOGPROB_TOL, np.abs(log_r).max()
+    for level in TISLevel:
+        weights, metrics = behaviour_weights(old_BxN, sampler_BxN, mask_BxN, 2.0, level,
+                                             (0.5, 5.0), level)
+        # a sequence's weight multiplies its N ratios: within N x the per-token rounding
+        np.testing.assert_allclose(weights, mask_BxN, atol=N * LOGPROB_TOL, err_msg=level)
+        assert float(metrics["off_policy/masked_fraction"]) == 0.0, level
+        assert float(metrics["off_policy/weight_clip_fraction"]) == 0.0, level
+    measured = mismatch_metrics(old_BxN, sampler_BxN, mask_BxN, mask_BxN.sum(), 0.1)
+    assert float(measured["mismatch/over_threshold"]) == 0.0
+
+
+def _rollout(done: list[Completion]) -> Rollout:
+    """The engine's completions as the static sampler's padded rows."""
     n = max(len(c.tokens) for c in done)
-    tokens = np.full((4, n), PAD, np.int32)
-    logprobs = np.zeros((4, n), np.float32)
+    tokens = np.full((len(done), n), PAD, np.int32)
+    logprobs = np.zeros((len(done), n), np.float32)
     for i, c in enumerate(done):
         tokens[i, :len(c.tokens)], logprobs[i, :len(c.tokens)] = c.tokens, c.logprobs
-    rollout = Rollout(tokens, np.asarray([len(c.tokens) for c in done]), logprobs)
-    # the distribution each token was drawn from: renormalized over the nucleus
-    ours, ref = behaviour_logprobs(gemma2, rollout, SAMPLING[setting])
-    assert _max_diff(ours, ref) < LOGPROB_TOL
+    return Rollout(tokens, np.asarray([len(c.tokens) for c in done]), logprobs)
 
 
 @pytest.mark.parametrize("setting", ["greedy", pytest.param("nucleus", marks=pytest.mark.slow)])

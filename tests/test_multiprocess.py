@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -434,3 +435,68 @@ def test_sigterm_to_one_process_saves_one_checkpoint_and_all_exit_0(tmp_path):
     assert len(steps) == 1 and 3 <= steps[0] < 500, steps
     assert f"SIGTERM: saved a checkpoint at step {steps[0]}" in outputs[0]
     assert not (run / "summary.json").exists()
+
+
+# Two processes of one job, each with its own offline Hugging Face cache; prints the pin of a
+# model id and the answers of a suite's rows, or the one sentence that stopped it.
+PIN_SCRIPT = """
+import json, sys
+from gpurl.config import ConfigError, DistributedConfig
+from gpurl.distributed import runtime
+from gpurl.distributed.pins import agreed_pin
+from gpurl.rollout.suites import load_rows
+runtime.initialize(DistributedConfig(coordinator=sys.argv[1], num_processes=2,
+                                     process_id=int(sys.argv[2])))
+try:
+    pin = agreed_pin("acme/tiny", "model.checkpoint")
+    answers = [r["answer"] for r in load_rows(["math500"])["math500"]]
+    print("RESULT" + json.dumps([pin, answers]))
+except ConfigError as e:
+    print("ERROR" + str(e))
+"""
+
+
+def test_every_process_reads_the_commit_process_0_resolves(tmp_path):
+    """Hub ids resolve once for the job: a second host whose cache's refs/main is stale pins
+    process 0's commit of a model and reads process 0's commit of a suite's dataset (before,
+    it loaded its own: other weights and other rows under one config.yaml); a host whose
+    cache lacks that commit stops the job with one sentence on every process."""
+    from hub_server import Repo, commit_id, lay_out_cache
+
+    old, new = ({"config.json": json.dumps({"v": v}).encode()} for v in (1, 2))
+    rows = {v: {"test.jsonl": "".join(json.dumps({"problem": f"p{i}", "solution": "s",
+                                                   "answer": f"{v}{i}"}) + "\n"
+                                      for i in range(2)).encode()} for v in (1, 2)}
+    both = Repo({commit_id(old): old, commit_id(new): new}, {"main": commit_id(new)})
+    data = Repo({commit_id(rows[1]): rows[1], commit_id(rows[2]): rows[2]},
+                {"main": commit_id(rows[2])})
+    stale = (dataclasses.replace(both, refs={"main": commit_id(old)}),
+             dataclasses.replace(data, refs={"main": commit_id(rows[1])}))
+    lacking = (Repo({commit_id(old): old}, {"main": commit_id(old)}), stale[1])
+    for host, (model, dataset) in {"h0": (both, data), "stale": stale, "lacking": lacking}.items():
+        cache = tmp_path / host / "hub"
+        lay_out_cache(cache, "model", "acme/tiny", model)
+        lay_out_cache(cache, "dataset", "HuggingFaceH4/MATH-500", dataset)
+
+    def job(second: str) -> list[str]:
+        port = _free_port()
+        procs = [subprocess.Popen(
+            [sys.executable, "-c", PIN_SCRIPT, f"127.0.0.1:{port}", str(i)],
+            env={**os.environ, "HF_HOME": str(tmp_path / home), "HF_HUB_OFFLINE": "1",
+                 "XLA_FLAGS": xla_flags(1)},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i, home in enumerate(("h0", second))]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), outs
+        return [next(ln for ln in out.splitlines() if ln.startswith(("RESULT", "ERROR")))
+                for out in outs]
+
+    agreed = job("stale")
+    assert agreed[0] == agreed[1] == "RESULT" + json.dumps(
+        [f"acme/tiny@{commit_id(new)}", ["20", "21"]]), agreed
+    stopped = job("lacking")
+    assert stopped[0] == stopped[1] and stopped[0].startswith(
+        f"ERRORmodel.checkpoint=acme/tiny resolves to acme/tiny@{commit_id(new)} on process 0, "
+        f"which process 1 cannot read ("), stopped
+    assert stopped[0].endswith("give every process the same Hugging Face cache, or fetch "
+                               f"acme/tiny@{commit_id(new)} into each host's cache.")

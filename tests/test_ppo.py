@@ -155,6 +155,43 @@ def test_adaptive_kl_follows_ziegler():
     assert float(fixed) == np.float32(0.1)
 
 
+def test_the_adaptive_kl_counts_trained_rows_not_fillers():
+    """A batch whose second group is dynamic sampling's fillers (no token carries loss): the
+    KL the controller reads is the mean summed KL over the trained rows, and the step counts
+    those rows; before, the fillers' zeros halved the KL and beta drifted down."""
+    from gpurl.algorithms import ppo
+    from gpurl.algorithms.forward import group_logprobs
+    from gpurl.algorithms.policy_gradient import kl_estimate
+    from gpurl.algorithms.rl import RLContext, RLInputs
+    from gpurl.models.scalar import ActorCriticSpec
+
+    cfg = algo_config("ppo", num_generations=2, beta=0.1, kl_target=0.5, kl_horizon=8,
+                      kl_in_reward=True, kl_estimator="k1", critic="shared")
+    spec = ActorCriticSpec.of(make_config(model=TINY_MODEL).model, cfg.critic)
+    params, ref = spec.init(0), spec.policy.init(1)
+    rng = np.random.default_rng(2)
+    p, g, n, w = 2, 2, 5, 6
+    clen = np.asarray([[5, 3], [4, 2]])
+    keep = np.asarray([[1.0], [0.0]])[..., None]  # the second prompt's group: fillers
+    batch = {"prompt_tokens": jnp.asarray(rng.integers(1, 250, (p, w)), jnp.int32),
+             "prompt_lengths": jnp.asarray([4, 6]),
+             "completions": jnp.asarray(rng.integers(1, 250, (p, g, n)), jnp.int32),
+             "completion_lengths": jnp.asarray(clen),
+             "comp_mask": jnp.asarray((np.arange(n) < clen[..., None]) * keep, jnp.float32),
+             "sampler_logprobs": jnp.zeros((p, g, n))}
+    _, stats, carry = ppo.prepare(cfg, RLContext(spec, 1.0), RLInputs(
+        params, ref, None, batch, jnp.zeros(p * g), ppo.initial_carry(cfg)))
+    old = group_logprobs(spec.policy, params["policy"], batch)[0].reshape(-1, n)
+    ref_logp = group_logprobs(spec.policy, ref, batch, replay=False)[0].reshape(-1, n)
+    mask = batch["comp_mask"].reshape(-1, n)
+    kl_B = np.asarray(kl_estimate(old, ref_logp, "k1", mask)).sum(-1)
+    assert abs(kl_B[:2]).min() > 1e-3 and not kl_B[2:].any()
+    want = kl_B[:2].mean()  # the trained rows' mean, not over all four
+    assert float(stats["kl/rollout"]) == pytest.approx(want, rel=1e-5)
+    assert float(carry["kl_coef"]) == pytest.approx(
+        0.1 * (1 + np.clip(want / 0.5 - 1, -0.2, 0.2) * 2 / 8), rel=1e-5)
+
+
 def test_ppo_config_errors():
     with pytest.raises(ConfigError, match="kl_in_reward=true"):
         algo_config("ppo", beta=0.05, kl_in_reward=False)

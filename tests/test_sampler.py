@@ -46,7 +46,10 @@ SEEDS = [3, 4, 5, 6]
 # ~70 of 300 tokens, and the 4 most likely tokens hold ~15% of the mass at temperature 0.7.
 SAMPLING = {"greedy": RolloutConfig(max_new_tokens=N, temperature=0.0),
             "nucleus": RolloutConfig(max_new_tokens=N, temperature=1.0, top_p=0.6),
-            "top_k": RolloutConfig(max_new_tokens=N, temperature=0.7, top_k=4)}
+            "top_k": RolloutConfig(max_new_tokens=N, temperature=0.7, top_k=4),
+            # the settings users pick (the truncation corrections' test, tests/test_engine.py)
+            "top_k_50": RolloutConfig(max_new_tokens=N, temperature=1.0, top_k=50),
+            "top_p_0.9": RolloutConfig(max_new_tokens=N, temperature=1.0, top_p=0.9)}
 LOGPROB_TOL = 1e-4
 
 # hf_models' weights send Gemma's greedy path into repeating the last token (the sqrt(D)-
@@ -252,19 +255,20 @@ def _training_logprobs(spec: ModelSpec, params: Any, prompts: list[list[int]],
 
 def behaviour_logprobs(tiny: Tiny, rollout: Rollout, cfg: RolloutConfig) -> tuple[list, list]:
     """(the sampler's log-probs of each row's completion tokens, the reference: the
-    training forward's log_softmax(logits / temperature), restricted to the top-k / top-p
-    set and renormalized there (NumPy) when `cfg` truncates)."""
+    training forward's log_softmax(logits / temperature) over the whole vocabulary, whatever
+    top-k / top-p set the token was drawn from). When `cfg` truncates, the truncated
+    distribution's log-probs (NumPy) differ from the reference by log S > 1e-3 on every
+    token, so a sampler that recorded those would fail the comparison."""
     ours, full = _training_logprobs(tiny.spec, tiny.params, PROMPTS, rollout, cfg.temperature)
     if not cfg.temperature or not (cfg.top_k or cfg.top_p < 1.0):
         return ours, full
     tokens, lengths, _ = _rows(rollout, len(PROMPTS))
-    ref = [np.zeros(n) for n in lengths]
+    truncated = [np.zeros(n) for n in lengths]
     for i, j, scaled_V, allowed in _drawn(tiny, tokens, lengths, cfg):
         kept = scaled_V[sorted(allowed)].astype(np.float64)
-        ref[i][j] = scaled_V[tokens[i, j]] - kept.max() - np.log(np.exp(kept - kept.max()).sum())
-    # the truncation's mass S < 1 is what the two differ by: log S per token
-    assert min(float((r - f).min()) for r, f in zip(ref, full)) > 1e-3
-    return ours, ref
+        truncated[i][j] = scaled_V[tokens[i, j]] - kept.max() - np.log(np.exp(kept - kept.max()).sum())
+    assert min(float((t - f).min()) for t, f in zip(truncated, full)) > 1e-3
+    return ours, full
 
 
 def _max_diff(ours: list, ref: list) -> float:
@@ -274,10 +278,9 @@ def _max_diff(ours: list, ref: list) -> float:
 @pytest.mark.parametrize("setting", ["greedy", pytest.param("nucleus", marks=pytest.mark.slow),
                                      pytest.param("top_k", marks=pytest.mark.slow)])
 def test_logprobs_match_training_forward(gemma2: Tiny, setting: str) -> None:
-    """The log-prob of the distribution each token was drawn from (the behaviour policy):
-    the training forward's log_softmax(logits / temperature) (log_softmax(logits) when
-    greedy), restricted to the top-k / top-p set and renormalized there when the setting
-    truncates (NumPy)."""
+    """The log-prob of the policy that samples, the one the trainer computes: the training
+    forward's log_softmax(logits / temperature) (log_softmax(logits) when greedy) over the
+    whole vocabulary, also where top-k / top-p chose the set drawn from."""
     rollout = gemma2.sampler(setting).generate(gemma2.params, PROMPTS, SEEDS)
     ours, ref = behaviour_logprobs(gemma2, rollout, SAMPLING[setting])
     diff = _max_diff(ours, ref)
@@ -343,10 +346,10 @@ def _drawn(tiny: Tiny, tokens: np.ndarray, lengths: np.ndarray, cfg: RolloutConf
 
 
 @pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.5), (40, 0.9), (0, 1.0)])
-def test_recorded_logprob_is_the_truncated_distributions(top_k: int, top_p: float) -> None:
-    """Both samplers record log p(token) under the distribution they drew from:
-    softmax(logits / T) over the top-k / top-p set, renormalized there (NumPy); greedy
-    rows of `sample_rows` under the full softmax(logits)."""
+def test_recorded_logprob_is_the_whole_tempered_softmaxs(top_k: int, top_p: float) -> None:
+    """Both samplers draw from the top-k / top-p set and record log p(token) under the whole
+    softmax(logits / T) (NumPy), not renormalized over the set; greedy rows of
+    `sample_rows` under softmax(logits)."""
     rng = np.random.default_rng(7 + top_k)
     temperature = 0.8
     logits_BxV = rng.normal(0.0, 3.0, (16, 64)).astype(np.float32)
@@ -364,7 +367,7 @@ def test_recorded_logprob_is_the_truncated_distributions(top_k: int, top_p: floa
                 scaled = logits_BxV[b] / temperature
                 probs, allowed = _softmax64(scaled), _allowed_np(scaled, top_k, top_p)
             assert token in allowed, (name, b)
-            expected = np.log(probs[token] / probs[sorted(allowed)].sum())
+            expected = np.log(probs[token])
             np.testing.assert_allclose(logprob, expected, rtol=0, atol=1e-5, err_msg=f"{name} {b}")
 
 

@@ -139,6 +139,19 @@ def test_gpqa_letter_extraction_and_score():
     assert suites.choice_letter("Answer: Definitely.") is None
 
 
+@pytest.mark.parametrize("completion,letter", [
+    ("**Answer:** C", "C"), ("Answer: **C**", "C"), ("Answer: \\(C\\)", "C"),
+    ("Answer: $\\text{C}$", "C"), ("Answer:\nC", "C"), ("Answer: $\\boxed{\\text{C}}$", "C"),
+    ("*Answer*: `C`", "C"), ("Answer: \\mathrm{C}.", "C"),
+    # an article is no letter: the earlier answer stands, or none was given
+    ("ANSWER: C\nAnswer: a subtle point", "C"), ("Answer: A subtle point.", None),
+    ("Answer: A", "A"), ("Answer: (A) Nitrogen", "A")])
+def test_gpqa_letters_in_markdown_and_latex_wrappers(completion, letter):
+    """Letters written the ways models format them are read as simple-evals reads them
+    once its normalize_response has dropped the wrappers."""
+    assert suites.choice_letter(completion) == letter
+
+
 def test_load_reads_a_local_copy_or_the_hub(tmp_path, monkeypatch):
     pytest.importorskip("pyarrow")
     import datasets
@@ -198,6 +211,60 @@ def test_estimators_against_a_direct_count():
         suites.pass_at_k(row, 6)
 
 
+# A DeepSeek-R1-Distill-style template: the generation prompt opens the thinking trace.
+R1_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+               "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}")
+
+
+def test_unfinished_completions_score_zero_and_are_counted_cut():
+    """Whether a completion is finished comes from what its prompt opened and how it ended
+    (a stop id or string, not the token limit): the math reward and the suites' scorer give
+    an unfinished one 0, whatever number it ends on, and the scorer's CUT column marks those
+    cut at the limit. Prompts rendered through a template that opens `<think>` say so."""
+    import jax
+    from jax.sharding import Mesh
+
+    from gpurl.models.tokenizer import byte_tokenizer
+    from gpurl.rewards import Reward
+    from gpurl.rewards.builtin import math_verify
+    from gpurl.rollout.prompts import encode_prompts
+    from gpurl.rollout.scoring import CUT, RowContext, ShardedScorer
+
+    tok = byte_tokenizer()
+    rows = [{"prompt": "What is 9 + 9?", "answer": "18"}]
+    opened = encode_prompts(rows, _with_template(tok, R1_TEMPLATE), True, 1024, "test")[0].opened
+    assert opened == (True,) and encode_prompts(rows, tok, True, 1024, "test")[0].opened == (False,)
+    # (completion, ended on a stop id, its prompt opened a trace) -> finished
+    cases = [("I computed 18 but ran out of", False, False),   # cut at the token limit
+             ("I computed 18.", True, False),                   # finished
+             ("so 18, or maybe 18", True, True),                # the prompt's trace never closed
+             ("9 + 9 = 18</think>The answer is 18.", True, True),  # closed: finished
+             ("<think>18", True, False),                        # its own trace left open
+             ("The answer is 18. Stop", False, False)]          # ended at a stop string
+    want = [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    encoded = [tok.encode(text) for text, _, _ in cases]
+    n = max(map(len, encoded))
+    tokens = np.asarray([t + [tok.pad_id] * (n - len(t)) for t in encoded], np.int32)
+    scorer = ShardedScorer(Mesh(np.asarray(jax.devices()[:1]), ("data",)),
+                           [Reward("math_verify", math_verify), Reward("suite", suites.score_math)],
+                           tok, ("Stop",))
+    ids = np.arange(len(cases), dtype=np.int32)
+    context = RowContext(rows, len(cases), ids, tokens, np.asarray(list(map(len, encoded))),
+                         np.asarray([c[1] for c in cases]), np.asarray([c[2] for c in cases]))
+    out = np.asarray(scorer(jax.numpy.asarray(ids), context))
+    np.testing.assert_array_equal(out[:, 1], want)  # the math reward
+    np.testing.assert_array_equal(out[:, 2], want)  # the suites' scorer
+    np.testing.assert_array_equal(out[:, CUT], [1, 0, 0, 0, 0, 0])
+    # called outside a rollout (no `finished`), a completion counts as finished
+    assert math_verify(["q"], ["I computed 18 but ran out of"], ["18"]) == [1.0]
+
+
+def _with_template(tok, template):
+    from gpurl.models.tokenizer import Tokenizer
+
+    return Tokenizer(tok.tok, tok.eos_id, tok.pad_id, tok.bos_id, chat_template=template)
+
+
 def test_suite_command_line():
     assert validate(["suite=math500"], APPS["eval"]).suite == ("math500",)
     cfg = validate(["suite=[gsm8k,aime2025]", "num_samples=4", "limit=3"], APPS["eval"])
@@ -225,12 +292,13 @@ def test_gpurl_eval_suite_writes_the_results_table(tmp_path, capsys, monkeypatch
     main(["eval", "model=tiny", "suite=gsm8k", f"suite_path={data}", "limit=2",
           "num_samples=2", "rollout.max_new_tokens=8", f"out={tmp_path / 'out'}"])
     printed = capsys.readouterr().out
-    assert "| suite | dataset | problems | avg@2 | pass@1 | pass@2 |" in printed
+    assert "| suite | dataset | problems | avg@2 | pass@1 | pass@2 | cut |" in printed
     results = json.loads((tmp_path / "out" / "gsm8k.json").read_text())
     assert {"model", "step", "num_samples", "temperature", "max_new_tokens",
             "suites"} <= results.keys()
     figures = results["suites"]["gsm8k"]
-    assert figures.keys() == {"dataset", "problems", "avg@2", "pass@1", "pass@2"}
+    assert figures.keys() == {"dataset", "problems", "avg@2", "pass@1", "pass@2", "cut"}
+    assert 0.0 <= figures["cut"] <= 1.0  # (the share of completions cut at 8 tokens)
     assert (figures["problems"], results["num_samples"]) == (2, 2)
     assert [figures[k] for k in ("avg@2", "pass@1", "pass@2")] == [0.5, 0.5, 0.5]
     assert sorted(seen) == ["18", "18", "2500", "2500"]

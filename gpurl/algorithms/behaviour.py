@@ -2,16 +2,18 @@
 step and what corrects the loss.
 
 Three policies meet in an RL step (decoupled PPO, Hilton et al. 2022): pi_behaviour drew
-each token (the sampler's recorded log-probs, under the distribution it actually drew
-from: `gpurl.rollout.sampling`), pi_old is the trainer's policy at the start of the step
+each token (the sampler's recorded log-probs, of the policy it sampled with:
+`gpurl.rollout.sampling`), pi_old is the trainer's policy at the start of the step
 (the proximal policy the clipped ratio is taken against), and pi_theta is trained. With the
 ratio r = pi_old / pi_behaviour of each trained token:
 
 - measured on every step (`mismatch_metrics`, `mismatch/*`): the mean and maximum
   |log r|, the K3 estimate of KL(pi_behaviour || pi_old) and the share of tokens with
   |log r| > algo.mismatch_threshold. On a synchronous run r differs from 1 only by
-  numerics (compute dtype, kernels, unreplayed experts) and truncated sampling; on an
-  asynchronous one also by the policy versions between sampler and trainer.
+  numerics (compute dtype, kernels, unreplayed experts): the sampler records log-probs of
+  the whole tempered softmax whatever top-k / top-p drew a token, as the trainer computes
+  them (`gpurl.rollout.sampling`); on an asynchronous run also by the policy versions
+  between sampler and trainer.
 - corrected when configured (`behaviour_weights`, `off_policy/*`): the loss of each token
   is weighted by min(r, C) (truncated importance sampling, algo.tis_cap; C = 2 on runs
   that train rounds sampled ahead), read per token, per sequence or as the sequence's

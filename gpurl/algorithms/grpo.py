@@ -28,7 +28,7 @@ from gpurl.algorithms.behaviour import needs_old_logprobs, off_policy_terms, rat
 from gpurl.algorithms.forward import group_logprobs
 from gpurl.algorithms.objective import Batch, Objective
 from gpurl.algorithms.policy_gradient import (flat_rows, group_advantages, kl_estimate,
-                                              policy_loss, token_normalizer)
+                                              policy_loss, token_normalizer, trained_rows)
 from gpurl.algorithms.rl import RLContext, RLInputs
 from gpurl.algorithms.rm import reward_model_scores
 from gpurl.config import GRPOConfig, RolloutConfig
@@ -78,8 +78,7 @@ def prepare(cfg: GRPOConfig, ctx: RLContext, x: RLInputs, old: jax.Array | None 
         kl_B = kl_estimate(old.reshape(mask_BxN.shape), out["ref_logprobs"].reshape(mask_BxN.shape),
                            cfg.kl_estimator, mask_BxN).sum(-1)
         rewards_B = rewards_B - cfg.beta * kl_B
-        trained = jnp.maximum((mask_BxN.sum(-1) > 0).sum(), 1)  # not dynamic sampling's fillers
-        metrics["kl/rollout"] = kl_B.sum() / trained
+        metrics["kl/rollout"] = kl_B.sum() / trained_rows(mask_BxN)
     out["advantages"] = group_advantages(rewards_B, group, cfg.advantage,
                                          cfg.adv_eps).reshape(-1, group)
     return out, metrics, x.carry

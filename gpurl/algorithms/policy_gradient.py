@@ -205,8 +205,14 @@ def flat_rows(batch: Batch) -> Batch:
     return {k: v.reshape(-1, *v.shape[2:]) for k, v in batch.items() if k in ROW_KEYS}
 
 
+def trained_rows(mask_BxN: jax.Array) -> jax.Array:
+    """The number of rows that carry loss (at least 1): the fillers dynamic sampling adds
+    when its rounds run out carry none, and a mean over rows must not count them."""
+    return jnp.maximum((mask_BxN.sum(-1) > 0).sum(), 1)
+
+
 def token_normalizer(batch: Batch) -> dict:
     """The global counts `aggregate` divides by: completion tokens and sequences with any."""
     mask_BxN = flat_rows(batch)["comp_mask"]
     return {"tokens": jnp.maximum(mask_BxN.sum(), 1.0),
-            "seqs": jnp.maximum((mask_BxN.sum(-1) > 0).sum(), 1).astype(jnp.float32)}
+            "seqs": trained_rows(mask_BxN).astype(jnp.float32)}

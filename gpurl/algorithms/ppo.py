@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from gpurl.algorithms.forward import group_logprobs, group_states, state_values, states_logprobs
 from gpurl.algorithms.objective import Batch, Objective
 from gpurl.algorithms.behaviour import off_policy_terms
-from gpurl.algorithms.policy_gradient import flat_rows, kl_estimate, policy_loss, token_normalizer
+from gpurl.algorithms.policy_gradient import (flat_rows, kl_estimate, policy_loss, token_normalizer,
+                                              trained_rows)
 from gpurl.algorithms.rl import RLContext, RLInputs
 from gpurl.algorithms.rm import reward_model_scores
 from gpurl.config import KLControlConfig, ModelConfig, PPOConfig, RolloutConfig
@@ -142,17 +143,19 @@ def prepare(cfg: PPOConfig, ctx: RLContext, x: RLInputs) -> tuple[Batch, dict, d
     out.update(old_logprobs=grouped(old_BxN), values=grouped(values_BxN),
                returns=grouped(returns_BxN), advantages=grouped(adv_BxN))
     tokens = jnp.maximum(mask_BxN.sum(), 1.0)
-    kl = kl_BxN.sum(-1).mean()
+    rows = trained_rows(mask_BxN)  # not dynamic sampling's fillers: they carry no KL
+    kl = kl_BxN.sum() / rows
     stats.update({"kl/rollout": kl, "kl/coef": jnp.asarray(kl_coef),
                   "values/mean": (values_BxN * mask_BxN).sum() / tokens,
                   "returns/mean": (returns_BxN * mask_BxN).sum() / tokens})
-    return out, stats, {"kl_coef": adaptive_kl_coef(cfg, kl_coef, kl, p * g)}
+    return out, stats, {"kl_coef": adaptive_kl_coef(cfg, kl_coef, kl, rows)}
 
 
 def adaptive_kl_coef(cfg: KLControlConfig, beta: jax.Array, kl: jax.Array,
-                     rows: int) -> jax.Array:
+                     rows: int | jax.Array) -> jax.Array:
     """The KL coefficient of Ziegler et al. 2019 (sec. 2.2) after a step that measured `kl`
-    (the mean summed KL per sequence) over `rows` sequences; fixed without a target."""
+    (the mean summed KL per sequence) over `rows` trained sequences; fixed without a
+    target."""
     if cfg.kl_target is None:
         return beta
     error = jnp.clip(kl / cfg.kl_target - 1.0, -0.2, 0.2)

@@ -276,6 +276,12 @@ class OPDConfig(TeacherConfig, GRPOConfig):
         if self.top_k and self.signal != DistillSignal.FULL:
             raise ConfigError(f"algo.top_k={self.top_k} restricts the full-vocabulary KL; set "
                               f"algo.signal=full or algo.top_k=0.")
+        if self.beta > 0 and self.kl_in_reward:
+            # the reward's group advantages are scaled by task_weight, the KL penalty with them
+            raise ConfigError(f"algo=opd weighs the rewards' advantages by algo.task_weight="
+                              f"{self.task_weight:g}, so a KL penalty in the reward would be "
+                              f"weighed by it and not by algo.beta; set algo.kl_in_reward=false "
+                              f"(the penalty in the loss) or algo.beta=0.")
 
 
 @dataclass(frozen=True)

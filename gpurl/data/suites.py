@@ -3,10 +3,11 @@ AIME 2025 and GPQA-Diamond, each a `Suite` record (its Hub dataset, its customar
 a converter from a published row to gpurl's {"prompt", "answer"} row, and its scorer), and
 the estimators the results table reports (avg@n, unbiased pass@k).
 
-A scorer is a reward function (`gpurl.rewards`: `(prompts, completions, answer) ->
-floats`), so the rollout's sharded scorer runs it like any other. Every scorer first drops
-a thinking trace (`final_text`): reasoning models think inside `<think>...</think>`, and a
-boxed guess inside the trace is not the answer.
+A scorer is a reward function (`gpurl.rewards`: `(prompts, completions, answer,
+finished) -> floats`), so the rollout's sharded scorer runs it like any other. Every scorer
+first drops a thinking trace (`final_text`): reasoning models think inside
+`<think>...</think>`, and a boxed guess inside the trace is not the answer; a completion
+cut at the token limit or left thinking scores 0 (`gpurl.rewards.thinking`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from gpurl.data.layouts import expect_str
 from gpurl.data.sources import gsm8k_answer
 from gpurl.data.tables import columns, open_hub, open_table
 from gpurl.rewards.builtin import math_verify
+from gpurl.rewards.thinking import final_text, unfinished_zero
 
 # The instruction of DeepSeek-R1's usage recommendations (huggingface.co/deepseek-ai/
 # DeepSeek-R1, "Usage Recommendations": in the user turn, as here) and of Qwen2.5-Math's
@@ -37,11 +39,18 @@ CHOICE_PROMPT = (
     "be of the following format: 'Answer: $LETTER' (without quotes) where LETTER is one of "
     "ABCD. Think step by step before answering.\n\n{question}\n\nA) {A}\nB) {B}\nC) {C}\nD) {D}")
 LETTERS = "ABCD"
-# simple-evals' ANSWER_PATTERN_MULTICHOICE, or a boxed letter. simple-evals takes the first
-# match; the last is taken here, as its prompt asks for the answer on the last line and a
-# reasoning model may write "Answer: A" while weighing the options.
-_CHOICE = re.compile(r"(?i)Answer[ \t]*:[ \t]*\$?\(?([A-D])\)?\$?(?![A-Za-z])|\\boxed\{([A-D])\}")
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+# simple-evals' ANSWER_PATTERN_MULTICHOICE ("Answer: X", any case), or a boxed letter, read
+# after markdown and LaTeX wrappers are dropped (`_plain`, as simple-evals' normalize_response
+# does: "**Answer:** C", "Answer: $\text{C}$", "Answer: \(C\)"), with the letter allowed on
+# the next line. simple-evals takes the first match; the last is taken here, as its prompt
+# asks for the answer on the last line and a reasoning model may write "Answer: A" while
+# weighing the options. "A" or "a" followed on its line by a lowercase word is an article
+# ("Answer: a subtle point"), not a letter.
+_CHOICE = re.compile(r"(?i:answer)[ \t]*:\s*\(?([A-Da-d])\)?(?![A-Za-z0-9])|\\boxed\{([A-Da-d])\}")
+_ARTICLE = re.compile(r"[ \t]+[a-z]")
+# LaTeX commands whose argument is the text itself, and marks that only format
+_LATEX_TEXT = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mathit|mathsf|texttt)\{([^{}]*)\}")
+_FORMAT_MARKS = ("**", "__", "*", "`", "\\(", "\\)", "\\[", "\\]", "\\$", "$")
 
 # A published row, its index in the table and the suite's shuffle seed -> gpurl's row.
 Convert = Callable[[dict, int, int], dict]
@@ -63,20 +72,10 @@ class Suite:
     seed: int = 0  # multiple choice: options are shuffled per row from (seed, row index)
 
 
-def final_text(completion: str) -> str | None:
-    """What the model answers: the text after the last `</think>` (a template that opens
-    the trace in the prompt leaves only the closing tag in the completion), the whole text
-    without a trace, None when a `<think>` is never closed (no answer was given)."""
-    _, closed, after = completion.rpartition(_THINK_CLOSE)
-    if closed:
-        return after
-    return None if _THINK_OPEN in completion else completion
-
-
 def score_math(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any],
-               **_: Any) -> list[float]:
+               finished: Sequence[bool] | None = None, **_: Any) -> list[float]:
     """math-verify's judgment of the answer after the thinking trace (`final_text`); an
-    unclosed trace scores 0."""
+    unclosed trace, or an unfinished completion (`gpurl.rewards.thinking`), scores 0."""
     finals = [final_text(c) for c in completions]
     answered = [i for i, f in enumerate(finals) if f is not None]
     scores = [0.0] * len(completions)
@@ -84,21 +83,33 @@ def score_math(prompts: Sequence[str], completions: Sequence[str], answer: Seque
                          [answer[i] for i in answered]) if answered else []
     for i, score in zip(answered, judged):
         scores[i] = score
-    return scores
+    return unfinished_zero(scores, finished)
+
+
+def _plain(text: str) -> str:
+    """`text` without markdown emphasis, code marks, math delimiters and text-style LaTeX
+    commands (their argument kept), so a letter so wrapped reads as the bare letter."""
+    text = _LATEX_TEXT.sub(r"\1", text)
+    for mark in _FORMAT_MARKS:
+        text = text.replace(mark, "")
+    return text
 
 
 def choice_letter(completion: str) -> str | None:
-    """The option letter a completion picks (the last `Answer: X` or `\\boxed{X}`,
-    case-insensitive), after its thinking trace; None when it picks none."""
-    final = final_text(completion)
-    found = list(_CHOICE.finditer(final or ""))
-    return None if not found else (found[-1].group(1) or found[-1].group(2)).upper()
+    """The option letter a completion picks (the last `Answer: X` or `\\boxed{X}`, any
+    case, in plain text: `_plain`), after its thinking trace; None when it picks none."""
+    text = _plain(final_text(completion) or "")
+    letters = [m.group(1) or m.group(2) for m in _CHOICE.finditer(text)
+               if not (m.group(1) in ("A", "a") and _ARTICLE.match(text, m.end()))]
+    return letters[-1].upper() if letters else None
 
 
 def score_choice(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any],
-                 **_: Any) -> list[float]:
-    """1.0 when the picked letter (`choice_letter`) is the correct option's."""
-    return [float(choice_letter(c) == a) for c, a in zip(completions, answer)]
+                 finished: Sequence[bool] | None = None, **_: Any) -> list[float]:
+    """1.0 when the picked letter (`choice_letter`) is the correct option's and the
+    completion is finished (`gpurl.rewards.thinking`)."""
+    return unfinished_zero([float(choice_letter(c) == a) for c, a in zip(completions, answer)],
+                           finished)
 
 
 def _text(row: dict, column: str, index: int) -> str:
@@ -160,19 +171,26 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
 )}
 
 
+def local_copy(suite: Suite) -> str:
+    """The alternative to the Hub that errors about a suite's dataset offer."""
+    return f"set suite_path to a local copy of its {suite.split} split"
+
+
 def get(name: str) -> Suite:
     """The suite `name`, or one sentence naming the valid ones."""
     return lookup(SUITES, name, "suite")
 
 
-def load(suite: Suite, path: str | None = None, limit: int = 0) -> list[dict]:
-    """gpurl rows of `suite`: from its Hub dataset, or from `path` (a local copy of the
-    published split: jsonl, parquet, csv, ...); `limit` > 0 keeps the first `limit`."""
+def load(suite: Suite, path: str | None = None, limit: int = 0,
+         dataset: str | None = None) -> list[dict]:
+    """gpurl rows of `suite`: from its Hub dataset (`dataset`: the id pinned to a commit,
+    `gpurl.distributed.pins`), or from `path` (a local copy of the published split: jsonl,
+    parquet, csv, ...); `limit` > 0 keeps the first `limit`."""
     if path:
         table, source = open_table(path, "suite_path", suite.split), path
     else:
-        table = open_hub(suite.dataset, suite.split, suite.subset, f"suite={suite.name}'s dataset",
-                         f"set suite_path to a local copy of its {suite.split} split")
+        table = open_hub(dataset or suite.dataset, suite.split, suite.subset,
+                         f"suite={suite.name}'s dataset", local_copy(suite))
         source = suite.dataset
     missing = [c for c in suite.columns if c not in columns(table)]
     if missing:

@@ -27,16 +27,6 @@ from gpurl.models.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer_jso
 PACKAGED = {"gemma3_270m"}
 
 
-def pinned(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` with its Hub id (model.checkpoint, else the preset's hub_id) pinned to the
-    commit it resolves to now (`org/name@<commit>` as model.checkpoint): the run directory's
-    config then names the weights a resumed run, `gpurl eval` and `gpurl export` read."""
-    named = weights_name(cfg)
-    if named is None or not hub.is_hub_id(named[0]):
-        return cfg
-    return dataclasses.replace(cfg, checkpoint=hub.pinned(*named))
-
-
 def weights_name(cfg: ModelConfig) -> tuple[str, str] | None:
     """(where the weights come from, the setting that names it), nothing read or fetched;
     None for a random init."""

@@ -65,19 +65,23 @@ _HUGE_FUNCTIONS = ("factorial", "factorial2", "subfactorial", "binomial", "gamma
 
 
 def math_verify(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any],
-                **_: Any) -> list[float]:
+                finished: Sequence[bool] | None = None, **_: Any) -> list[float]:
     """1.0 when the completion's final answer equals `answer` as mathematics, judged by
     Hugging Face's math-verify: `\\boxed{}` first, LaTeX or plain text, fractions against
     decimals, radicals, sets and intervals, with units and thousands separators dropped.
 
     Without a `\\boxed{}`, the rest of the last `#### x` line (GSM8K) is the answer: alone,
-    math-verify would read the last number of the text after it.
+    math-verify would read the last number of the text after it. An unfinished completion
+    (cut at the token limit, or left thinking: `gpurl.rewards.thinking`) scores 0, whatever
+    number it ends on.
     """
     parse, verify = _math_verify_api()
     golds = [_gold_latex(a) for a in answer]
     readings = {g: _parse(parse, g) for g in set(golds)}  # a prompt's G completions share one
-    return [float(verify(readings[g], _parse(parse, _final_answer_text(c)), timeout_seconds=None))
-            for c, g in zip(completions, golds)]
+    done = [True] * len(completions) if finished is None else list(finished)
+    return [float(ok and verify(readings[g], _parse(parse, _final_answer_text(c)),
+                                timeout_seconds=None))
+            for c, g, ok in zip(completions, golds, done)]
 
 
 def _math_verify_api() -> tuple[Callable, Callable]:

@@ -29,6 +29,7 @@ from gpurl.data.rollouts import RolloutBatch
 from gpurl.distributed import host
 from gpurl.rollout.rounds import Round, Rounds, row_seeds
 from gpurl.rollout.prompts import Prompts
+from gpurl.rollout.scoring import ERRORS
 
 # Rewards closer than this count as equal (a group without signal).
 EQUAL = 1e-9
@@ -151,7 +152,7 @@ class Collector:
         self._stats = jax.jit(self._round_stats)
         # rows scored 0 because a reward function failed (rewards.on_error=zero)
         self.count_errors = any(r.on_error == "zero" for r in source.rewards)
-        self._errors = jax.jit(lambda scores, ids: (scores[:, -1] * (ids >= 0)).sum())
+        self._errors = jax.jit(lambda scores, ids: (scores[:, ERRORS] * (ids >= 0)).sum())
         self._assemble = jax.jit(self._assemble_fn, out_shardings=(batch_sharding, batch_sharding))
         self.position = 0  # batches of prompts drawn so far (checkpointed by the stepper)
 

@@ -38,7 +38,7 @@ from gpurl.rollout.programs import Rollout
 from gpurl.rollout.requests import Completion, Request
 from gpurl.rollout.multiturn import EnvFactory, Episodes
 from gpurl.rollout.prompts import Prompts
-from gpurl.rollout.scoring import RowContext, ShardedScorer
+from gpurl.rollout.scoring import CUT, RowContext, ShardedScorer
 
 # A completion counts as correct when the first reward function gives it at least this.
 CORRECT = 1.0 - 1e-6
@@ -179,12 +179,13 @@ class Rounds:
             local, scored, env, mask = self._trajectories(self.episodes.arrays(self.width,
                                                                                engine.pad_id))
         else:
-            local = self._completions(engine.generate(params, requests,
-                                                      prefill_width=self.prompt_width))
-            scored = (local["tokens"], local["lengths"])
+            done = engine.generate(params, requests, prefill_width=self.prompt_width)
+            local = self._completions(done)
+            scored = (local["tokens"], local["lengths"], self._stopped(done))
         local["prompt_tokens"], local["prompt_lengths"] = self._prompts(tokens)
         global_rows = [prompts.rows[i] if i >= 0 else prompts.rows[0] for i in indices]
-        return self._scored(local, scored, local_ids, global_rows, group, per,
+        opened = np.asarray([prompts.opens(i) for i in ids] + [False] * (padded - per))
+        return self._scored(local, (*scored, opened), local_ids, global_rows, group, per,
                             time.perf_counter() - t0, dict(engine.stats), env, mask)
 
     def new_episodes(self) -> Episodes:
@@ -200,14 +201,20 @@ class Rounds:
                                     temperature=temperature) for s in seeds]
 
     def _trajectories(self, arrays: dict[str, np.ndarray]) -> tuple:
-        """(the rows' arrays, what the reward functions score: the last model turns, the
-        environment's figures and the model-token mask on the rollout rows) of
-        trajectories' `Episodes.arrays`."""
+        """(the rows' arrays, what the reward functions score: the last model turns, which
+        the environment ended (stopped), the environment's figures and the model-token
+        mask on the rollout rows) of trajectories' `Episodes.arrays`."""
         put = functools.partial(host.to_device, sharding=self.engine.rows)
         local = {k: arrays[k] for k in ("tokens", "lengths", "logprobs", "routes", "mask")
                  if k in arrays}
-        return (local, (arrays["final"], arrays["final_lengths"]), put(arrays["env"]),
+        ended = np.ones(len(arrays["final_lengths"]), bool)
+        return (local, (arrays["final"], arrays["final_lengths"], ended), put(arrays["env"]),
                 put(arrays["mask"]))
+
+    @staticmethod
+    def _stopped(done: list[Completion]) -> np.ndarray:
+        """Whether each completion ended on a stop id (else at its token limit)."""
+        return np.asarray([c.stopped for c in done], bool)
 
     def score(self, prompts: Prompts, indices: Sequence[int], done: list[Completion],
               group: int, rollout_s: float, counts: dict[str, float],
@@ -225,8 +232,10 @@ class Rounds:
                 {k: np.concatenate([a[k] for a in arrays]) for k in arrays[0]})
         else:
             local = self._completions(done)
-            scored = (local["tokens"], local["lengths"])
-        tokens = [prompts.tokens[i] for i in np.repeat(indices, group)]
+            scored = (local["tokens"], local["lengths"], self._stopped(done))
+        ids = np.repeat(indices, group)
+        tokens = [prompts.tokens[i] for i in ids]
+        scored = (*scored, np.asarray([prompts.opens(i) for i in ids], bool))
         local["prompt_tokens"], local["prompt_lengths"] = self._prompts(tokens)
         global_rows: list = [None] * (count * len(indices))  # this process's groups alone
         global_rows[rank * len(indices):(rank + 1) * len(indices)] = [prompts.rows[i] for i in indices]
@@ -234,7 +243,7 @@ class Rounds:
         return self._scored(local, scored, local_ids, global_rows, group, per, rollout_s,
                             counts, env, mask)
 
-    def _scored(self, local: dict[str, np.ndarray], scored: tuple[np.ndarray, np.ndarray],
+    def _scored(self, local: dict[str, np.ndarray], scored: tuple[np.ndarray, ...],
                 local_ids: np.ndarray, global_rows: list, group: int, per: int,
                 rollout_s: float, counts: dict[str, float], env: jax.Array | None = None,
                 mask: jax.Array | None = None) -> Round:
@@ -301,7 +310,13 @@ class Rounds:
                 seed: int) -> np.ndarray:
         """P x `samples` on the host: whether each of `samples` completions per prompt, at
         the rollout temperature, is correct (the first reward function gives it >= 1)."""
-        return self._scores(params, prompts, samples, None, batch_rows, seed)[:, :, 1] >= CORRECT
+        return self.judged(params, prompts, samples, batch_rows, seed)[0]
+
+    def judged(self, params: Params, prompts: Prompts, samples: int, batch_rows: int,
+               seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """(`correct`'s P x `samples`, whether each completion was cut at the token limit)."""
+        scores = self._scores(params, prompts, samples, None, batch_rows, seed)
+        return scores[:, :, 1] >= CORRECT, scores[:, :, CUT] > 0
 
     def _scores(self, params: Params, prompts: Prompts, k: int, temperature: float | None,
                 batch_rows: int, seed: int) -> np.ndarray:

@@ -1,14 +1,17 @@
 """Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus).
 
-The log-probability recorded with each drawn token is the behaviour policy's: that of the
-distribution the token was actually drawn from, softmax(logits / temperature) restricted
-to the top-k / top-p set and renormalized over it. With truncation the RL step's pi_old
-stays the trainer's full softmax (the policy being optimized), so pi_old / pi_behaviour
-is the mass S the truncation kept (< 1) on every token it drew, and the importance weights
-and the mismatch metrics see that difference. Recording the full distribution's
-log-probability instead (what vLLM's default `raw_logprobs` returns) would make the
-weight 1 for a draw that did not come from that distribution; vLLM's
-`processed_logprobs` is the choice made here, and TRL #6789 derives the resulting ratio S.
+The log-probability recorded with each drawn token is the policy's, log_softmax(logits /
+temperature)[token] over the whole vocabulary (log_softmax(logits) when greedy), whatever
+top-k / top-p set the token was drawn from: the distribution the trainer computes pi_old
+and pi_theta under. The importance ratio pi_old / pi_sampler of the behaviour corrections
+and the `mismatch/*` metrics then compare like with like and measure numerics and policy
+lag only. Recording the truncated distribution's log-probability instead (renormalized
+over the kept set, vLLM's `processed_logprobs`) made that ratio the kept mass S < 1 on
+every token: a sequence-level weight of ~1e-5 over 1,000 tokens at top_p=0.9, every
+completion masked (TRL #6789 derives the ratio; vLLM RFC #42259 tracks the choice across
+frameworks). The policy optimized is the tempered full softmax; top-k / top-p shape which
+tokens are drawn, and that choice is not corrected for (docs/algorithms.md, "The sampler
+against the trainer"), as with vLLM's default `raw_logprobs`.
 """
 
 from __future__ import annotations
@@ -66,17 +69,16 @@ def token_logprob(scaled_BxV: jax.Array, max_B: jax.Array, tokens_B: jax.Array) 
 
 def sample(logits_BxV: jax.Array, keys_B: jax.Array, temperature: float, top_k: int,
            top_p: float) -> tuple[jax.Array, jax.Array]:
-    """(tokens_B, logprobs_B): each token's log-probability under the distribution it was
-    drawn from, log_softmax(logits / temperature) restricted to the top-k / top-p set and
-    renormalized there (the module's docstring); under log_softmax(logits) when greedy."""
+    """(tokens_B, logprobs_B): tokens drawn from softmax(logits / temperature) restricted to
+    the top-k / top-p set, and each token's log-probability under the whole tempered
+    softmax (the module's docstring); under log_softmax(logits) when greedy."""
     logits_BxV = logits_BxV.astype(jnp.float32)
     if temperature == 0.0:
         max_B, tokens_B = first_max(logits_BxV)
         return tokens_B, token_logprob(logits_BxV, max_B, tokens_B)
     scaled_BxV = logits_BxV / temperature
-    filtered_BxV = allowed_logits(scaled_BxV, top_k, top_p)
-    tokens_B = inverse_cdf_sample(keys_B, filtered_BxV)
-    return tokens_B, token_logprob(filtered_BxV, jnp.max(scaled_BxV, axis=-1), tokens_B)
+    tokens_B = inverse_cdf_sample(keys_B, allowed_logits(scaled_BxV, top_k, top_p))
+    return tokens_B, token_logprob(scaled_BxV, jnp.max(scaled_BxV, axis=-1), tokens_B)
 
 
 def inverse_cdf_sample(keys_B: jax.Array, logits_BxV: jax.Array) -> jax.Array:
@@ -151,8 +153,7 @@ def sample_rows(logits_BxV: jax.Array, keys_B: jax.Array, temperature_B: jax.Arr
         tokens_B = jnp.where(greedy_B, tokens_B, drawn_B)
         chosen_B = jnp.take_along_axis(scaled_BxV, tokens_B[:, None], axis=-1)[:, 0]
         return tokens_B, chosen_B - max_B - jnp.log(total_B)
-    if sampled:  # a drawn row's log-prob under its truncated distribution, as `sample`
+    if sampled:  # drawn from the truncated set, scored under the whole softmax, as `sample`
         filtered_BxV = allowed_logits_rows(scaled_BxV, top_k_B, top_p_B)
         tokens_B = jnp.where(greedy_B, tokens_B, inverse_cdf_sample(keys_B, filtered_BxV))
-        scaled_BxV = jnp.where(greedy_B[:, None], scaled_BxV, filtered_BxV)
     return tokens_B, token_logprob(scaled_BxV, max_B, tokens_B)

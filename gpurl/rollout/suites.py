@@ -10,6 +10,7 @@ from typing import Any
 
 from gpurl.config import RewardsConfig
 from gpurl.data import suites
+from gpurl.distributed.pins import agreed_pin
 from gpurl.models.tokenizer import Tokenizer
 from gpurl.rewards import Reward
 from gpurl.rollout.engine import Engine
@@ -23,8 +24,15 @@ _ANY_LENGTH = 2 ** 31
 
 def load_rows(names: Any, path: str | None = None, limit: int = 0) -> dict[str, list[dict]]:
     """{suite: its gpurl rows} (`path`: a local copy of the one suite's split), read before
-    any weights are loaded so that a missing dataset stops a command at once."""
-    return {name: suites.load(suites.get(name), path, limit) for name in names}
+    any weights are loaded so that a missing dataset stops a command at once. Every process
+    reads the commit of each suite's dataset that process 0 resolves (`agreed_pin`)."""
+    rows = {}
+    for name in names:
+        suite = suites.get(name)
+        dataset = None if path else agreed_pin(suite.dataset, f"suite={name}'s dataset",
+                                               "dataset", suites.local_copy(suite))
+        rows[name] = suites.load(suite, path, limit, dataset)
+    return rows
 
 
 class SuiteRunner:
@@ -48,15 +56,18 @@ class SuiteRunner:
 
     def run(self, params: Any, samples: int, batch_rows: int, seed: int,
             dataset: str | None = None) -> dict[str, dict]:
-        """{suite: {"dataset", "problems", "avg@n", "pass@1", "pass@2", ...}}; `params` in the
+        """{suite: {"dataset", "problems", "avg@n", "pass@1", "pass@2", ..., "cut"}}: "cut" is
+        the share of completions cut at the token limit (each scored 0); `params` in the
         engine's layout; `dataset` names a local copy in place of the suite's Hub id."""
         out = {}
         for name, (hub_id, prompts, rounds) in self.parts.items():
-            correct_PxG = rounds.correct(params, prompts, samples, batch_rows, seed)
+            correct_PxG, cut_PxG = rounds.judged(params, prompts, samples, batch_rows, seed)
             figures = {"dataset": dataset or hub_id, "problems": len(prompts),
                        f"avg@{samples}": suites.avg_at_n(correct_PxG)}
             for k in suites.pass_ks(samples):
                 figures[f"pass@{k}"] = suites.pass_at_k(correct_PxG, k)
+            # completions that reached rollout.max_new_tokens: scored 0, whatever they held
+            figures["cut"] = float(cut_PxG.mean())
             out[name] = figures
         return out
 

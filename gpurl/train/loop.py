@@ -33,6 +33,7 @@ from gpurl.config import Config, ConfigError, ModelConfig
 from gpurl.config.dicts import to_dict, upgrade
 from gpurl.distributed import host, runtime
 from gpurl.distributed.mesh import batch_divisor, trainer_mesh
+from gpurl.distributed.pins import agreed_pin
 from gpurl.models import count_params, loading
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.frozen import Frozen
@@ -99,17 +100,21 @@ def check_context(cfg: Config, algorithm: registry.Algorithm) -> None:
 
 def _pinned(cfg: Config) -> Config:
     """Every Hub id of the run (the model's, a teacher's, a reward model's, the data's)
-    pinned to the commit it resolves to now (`org/name@<commit>`): config.yaml then names
-    what `gpurl eval`, `gpurl export` and `gpurl generate` of the run read."""
+    pinned to the commit process 0 resolves it to now (`org/name@<commit>`, the same on
+    every process: `agreed_pin`): config.yaml then names what every process, and `gpurl
+    eval`, `gpurl export` and `gpurl generate` of the run, read."""
     algo = cfg.algo
     for key in ("teacher", "reward_model"):
         if getattr(algo, key, None) is not None:
-            algo = dataclasses.replace(algo, **{key: hub.pinned(getattr(algo, key), f"algo.{key}")})
+            algo = dataclasses.replace(algo, **{key: agreed_pin(getattr(algo, key), f"algo.{key}")})
     data = cfg.data
     if data.dataset is not None and data.path is None:
-        data = dataclasses.replace(data, dataset=hub.pinned(data.dataset, "data.dataset",
+        data = dataclasses.replace(data, dataset=agreed_pin(data.dataset, "data.dataset",
                                                             "dataset"))
-    return dataclasses.replace(cfg, model=loading.pinned(cfg.model), algo=algo, data=data)
+    model, named = cfg.model, loading.weights_name(cfg.model)
+    if named is not None and hub.is_hub_id(named[0]):
+        model = dataclasses.replace(model, checkpoint=agreed_pin(*named))
+    return dataclasses.replace(cfg, model=model, algo=algo, data=data)
 
 
 def _router_defaults(model: ModelConfig, algorithm: registry.Algorithm) -> ModelConfig:
