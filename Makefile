@@ -49,7 +49,7 @@ XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS))
 test: install slurm
 	$(BIN)/python -m pytest $(XDIST) $(ARGS)
 
-# The unit tier: every test without a tier marker (pyproject.toml lists them), under 3 min.
+# The unit tier: every test without a tier marker (pyproject.toml lists them), under 2 min.
 FAST_TIER := not (multiprocess or slurm or realmodel or e2e or slow or gpu or index or cuda_lowering)
 test-fast: install
 	$(BIN)/python -m pytest $(XDIST) -m "$(FAST_TIER)" $(ARGS)

@@ -10,9 +10,10 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import suite_budget
-from suite_budget import Ledger, Tier, over_budget, tally, tier_of
+from suite_budget import Ledger, Tier, canonical, over_budget, tally, tier_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +56,17 @@ def test_a_tier_over_its_ceiling_fails_in_one_sentence(tmp_path):
         tiers, {"e2e": ceilings["e2e"]})
     committed = json.loads((ROOT / "tests" / "budget.json").read_text())["tiers"]
     assert set(committed) == {"unit", *suite_budget.TIERS}
+
+
+def test_the_ceilings_hold_make_test_and_make_test_fast_only():
+    """A program compiled once serves every later test of its worker, so a selection of
+    tests counts other programs than the full suite: only `make test` (no selection) and
+    `make test-fast` (the Makefile's FAST_TIER expression) are held to the ceilings."""
+    fast = re.search(r'FAST_TIER := (.*)', (ROOT / "Makefile").read_text())[1]
+
+    def run(args=(), markexpr="", keyword="", deselect=None):
+        return SimpleNamespace(args=list(args), option=SimpleNamespace(
+            markexpr=markexpr, keyword=keyword, deselect=deselect))
+    assert canonical(run()) and canonical(run(["tests"], fast))
+    assert not canonical(run(["tests/test_ppo.py"])) and not canonical(run(markexpr="e2e"))
+    assert not canonical(run(keyword="grpo")) and not canonical(run(deselect=["tests/x.py"]))
