@@ -78,21 +78,27 @@ def cpu_list() -> str:
     return ",".join(map(str, cpus))
 
 
-def reexec_in_cpu_env() -> None:
-    """vLLM's CPU settings: preloads take effect only at exec, so the worker execs itself."""
-    if os.environ.get(MARK):
-        return
-    env = dict(os.environ, **{MARK: "1"})
+def cpu_env(prefix: Path = Path(sys.prefix)) -> dict[str, str]:
+    """This environment with vLLM's CPU settings for the vLLM virtualenv at `prefix`:
+    tcmalloc and its Intel OpenMP preloaded, OpenMP threads bound, a 4 GiB KV cache."""
+    env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list())
-    preload = [TCMALLOC, str(Path(sys.prefix) / "lib" / "libiomp5.so")]
+    preload = [TCMALLOC, str(prefix / "lib" / "libiomp5.so")]
     for lib in preload:
         if not os.path.exists(lib):
             print(f"rollout_vllm: {lib} is missing, not preloaded (run benchmarks/setup_vllm.sh)",
                   file=sys.stderr)
     env["LD_PRELOAD"] = ":".join([p for p in preload if os.path.exists(p)]
                                  + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    return env
+
+
+def reexec_in_cpu_env() -> None:
+    """vLLM's CPU settings: preloads take effect only at exec, so the worker execs itself."""
+    if os.environ.get(MARK):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**cpu_env(), MARK: "1"})
 
 
 def main(argv: Sequence[str] | None = None) -> None:

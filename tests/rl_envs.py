@@ -8,7 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
-from gpurl.envs import Step, ToolEnvironment
+from gpurl.envs import Environment, Step, ToolEnvironment
 from gpurl.envs.builtin import GuessNumber
 from gpurl.data.tasks import tool_call
 
@@ -52,3 +52,17 @@ class ScriptedCalls(ToolEnvironment):
             return Step(None, 1.0, True)
         name = next(iter(self.tools)) if int(self.metadata["answer"]) % 2 == 0 else "calculator"
         return super().step(tool_call(name, expression="1 + 2"))
+
+
+class PrintableGame(Environment):
+    """Three turns, each scored by the share of printable ASCII in the model's text (so a
+    tiny random model's rewards differ between rows); "More." after each of the first two."""
+
+    def __init__(self, prompt, **metadata):
+        super().__init__(prompt, **metadata)
+        self.turn = 0
+
+    def step(self, action):
+        self.turn += 1
+        reward = sum(32 <= ord(c) < 127 for c in action) / max(len(action), 1)
+        return Step(None if self.turn >= 3 else " More.\n", reward, self.turn >= 3)

@@ -10,9 +10,9 @@ Lines that only print (`--help`, `--cfg job`) start nothing and are left out.
 The paths a command names (checkpoints, data files, run directories) stand for the user's
 files: the test makes each one exist under a temporary directory (a run directory holding a
 config.yaml) and points the command there. Shell variables read as 0; `...` (the rest of a
-command line) is left out. Reward functions and environments a doc writes as user code
-(`my_pkg....`) are the docs' own Python blocks (`class Maze`, `def lookup`) written into a
-package, beside reward functions of the documented signature.
+command line) is left out. Reward functions, environments and agents a doc writes as user
+code (`my_pkg....`) are the docs' own Python blocks (`class Maze`, `def lookup`, `async def
+solve`) written into a package, beside reward functions of the documented signature.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from gpurl.config.dicts import to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMANDS = ("train", "plan", "eval", "generate")
+COMMANDS = ("train", "plan", "eval", "generate", "serve")
 # keys whose values are the user's files: (kind) file, dir, or a gpurl run directory
 PATH_KEYS = {"model.checkpoint": "model", "algo.teacher": "model", "algo.reward_model": "dir",
              "data.path": "file", "data.eval_path": "file", "prompts_file": "file",
@@ -188,6 +188,7 @@ def _user_package(tmp: Path) -> None:
     (pkg / "__init__.py").write_text("")
     (pkg / "envs.py").write_text(_python_block("class Maze"))
     (pkg / "tools.py").write_text(_python_block("def lookup"))
+    (pkg / "agents.py").write_text(_python_block("async def solve"))
     (pkg / "rewards.py").write_text(
         "def fmt(prompts, completions, **metadata):\n"
         "    return [float(c.strip().endswith('.')) for c in completions]\n\n\ncorrect = fmt\n")
@@ -213,6 +214,7 @@ def test_every_documented_command_passes_gpurl_check(tmp_path, capsys, monkeypat
     monkeypatch.chdir(tmp_path)
     _user_package(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path / "user_code"))
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # PYTHONPATH=examples gpurl ...
     run_config = yaml.safe_dump(to_dict(validate(["model=tiny"])), sort_keys=False)
     failures = []
     for where, args, processes in COMMAND_LINES:

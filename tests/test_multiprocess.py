@@ -77,6 +77,15 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _one_and_two(tmp_path: Path, args: list[str], timeout: float = 400) -> tuple[list, list]:
+    """The metrics rows of 1 process x 4 devices and of 2 x 2 on `args`, both run to the end."""
+    procs = _launch(tmp_path / "one", 1, args) + _launch(tmp_path / "two", 2, args)
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+    return _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+
+
 def test_two_processes_match_one_process(tmp_path):
     procs = _launch(tmp_path / "one", 1) + _launch(tmp_path / "two", 2)
     outputs = [p.communicate(timeout=300)[0] for p in procs]
@@ -279,11 +288,7 @@ MOE_ARGS = ([a for a in GRPO_ARGS if not a.startswith("model=")]
 
 
 def test_moe_grpo_two_processes_match_one(tmp_path):
-    procs = _launch(tmp_path / "one", 1, MOE_ARGS) + _launch(tmp_path / "two", 2, MOE_ARGS)
-    outputs = [p.communicate(timeout=400)[0] for p in procs]
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out
-    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    one, two = _one_and_two(tmp_path, MOE_ARGS)
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
     for a, b in zip(one, two):
         for key in ("reward/mean", "loss", "grad_norm", "moe/aux_loss", "moe/z_loss",
@@ -500,3 +505,22 @@ def test_every_process_reads_the_commit_process_0_resolves(tmp_path):
         f"which process 1 cannot read ("), stopped
     assert stopped[0].endswith("give every process the same Hugging Face cache, or fetch "
                                f"acme/tiny@{commit_id(new)} into each host's cache.")
+
+
+# OpenAI-API agents (rl_agents:printable) playing through each process's gateway
+AGENT_ARGS = ([a for a in TINY_GRPO_ARGS if not a.startswith(("data.num_eval=", "rollout.max_new"))]
+              + ["data.num_eval=0", "rollout.max_new_tokens=6", "env=agent",
+                 "env.agent=rl_agents:printable", "env.agent_rows=1", "env.max_turns=3",
+                 "env.max_tokens=64", "env.stop=[\\n]"])
+
+
+def test_agents_on_two_processes_train_like_one(tmp_path):
+    """Agents on both hosts, each process's gateway serving the sessions of the rows it
+    holds, every process iterating its engine together until no agent is left: 2 processes
+    x 2 devices give the rewards, losses and gradients of 1 process x 4 devices."""
+    one, two = _one_and_two(tmp_path, AGENT_ARGS)
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        assert a["agent/calls"] == b["agent/calls"] == 3 and a["agent/failed"] == 0
+        for key in ("reward/mean", "loss", "grad_norm", "env/observation_tokens"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)

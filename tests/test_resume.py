@@ -173,13 +173,9 @@ AGENTIC = ([a for a in CONTINUOUS if not a.startswith(("data=", "data.max_len=",
               "algo.dynamic_sampling=true", "algo.max_refills=3"])
 
 
-@pytest.mark.parametrize("args", [CONTINUOUS, AGENTIC], ids=["continuous", "env_dynamic_sampling"])
-def test_continuous_kill_and_resume_equal_an_uninterrupted_run(tmp_path, args):
-    """Continuous mode killed (SIGKILL) after its first checkpoint: the checkpoint holds the
-    requests in flight (tokens, versions, sampling offsets), the groups and their order,
-    so the rerun samples, trains and logs exactly what the uninterrupted run does; also
-    for multi-turn trajectories under dynamic sampling (a step's refill rounds end within
-    it; the environments in flight are replayed)."""
+def _killed_at_checkpoint_2_and_resumed(args, tmp_path):
+    """An uninterrupted run and one killed (SIGKILL) once checkpoint 2 is written and rerun
+    to the end, with equal parameters: their run directories."""
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     uninterrupted = _start(args, straight)
     proc = _start(args, crashed)
@@ -190,8 +186,18 @@ def test_continuous_kill_and_resume_equal_an_uninterrupted_run(tmp_path, args):
     assert saved < GRPO_STEPS
     _rerun(args, crashed, resumed_at=saved)
     _run_through(args, straight, uninterrupted)
-
     _assert_same_params(straight, crashed)
+    return straight, crashed
+
+
+@pytest.mark.parametrize("args", [CONTINUOUS, AGENTIC], ids=["continuous", "env_dynamic_sampling"])
+def test_continuous_kill_and_resume_equal_an_uninterrupted_run(tmp_path, args):
+    """Continuous mode killed (SIGKILL) after its first checkpoint: the checkpoint holds the
+    requests in flight (tokens, versions, sampling offsets), the groups and their order,
+    so the rerun samples, trains and logs exactly what the uninterrupted run does; also
+    for multi-turn trajectories under dynamic sampling (a step's refill rounds end within
+    it; the environments in flight are replayed)."""
+    straight, crashed = _killed_at_checkpoint_2_and_resumed(args, tmp_path)
     keys = ("reward/mean", "loss", "grad_norm", "off_policy/lag", "off_policy/weight_mean",
             "rollout/restarted", "rollout/rounds", "groups/kept", "rollout/prefix_hit_rate")
     a = [{k: r[k] for k in keys} for r in _metrics(straight) if "loss" in r]
@@ -203,3 +209,21 @@ def test_continuous_kill_and_resume_equal_an_uninterrupted_run(tmp_path, args):
         assert [r["env/turns"] for r in _metrics(straight) if "loss" in r] == [
             r["env/turns"] for r in _metrics(crashed) if "loss" in r]
         assert any(r["env/turns"] > 1 for r in _metrics(straight) if "loss" in r)
+
+
+# OpenAI-API agents through the gateway (rl_agents:printable), a checkpoint every 2 steps
+AGENTS = [a for a in GRPO if not a.startswith(("rollout.max_new_tokens=", "rewards="))] + [
+    "rollout.max_new_tokens=6", "env=agent", "env.agent=rl_agents:printable",
+    "env.agent_rows=1", "env.max_turns=3", "env.max_tokens=64", "env.stop=[\\n]"]
+
+
+def test_an_agent_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
+    """SIGKILL of a run whose trajectories agents play through the gateway: a step's agents
+    run within the step, so the checkpoint holds no trajectory in flight, and the rerun
+    plays the next step's agents again from its start (their calls draw from the same
+    sampling streams): the parameters and metrics of the uninterrupted run."""
+    straight, crashed = _killed_at_checkpoint_2_and_resumed(AGENTS, tmp_path)
+    keys = ("reward/mean", "loss", "grad_norm", "agent/calls", "env/observation_tokens")
+    a = [{k: r[k] for k in keys} for r in _metrics(straight) if "loss" in r]
+    b = [{k: r[k] for k in keys} for r in _metrics(crashed) if "loss" in r]
+    assert len(a) == GRPO_STEPS and a == b

@@ -79,6 +79,6 @@ def prepare(cfg: GRPOConfig, ctx: RLContext, x: RLInputs, old: jax.Array | None 
                            cfg.kl_estimator, mask_BxN).sum(-1)
         rewards_B = rewards_B - cfg.beta * kl_B
         metrics["kl/rollout"] = kl_B.sum() / trained_rows(mask_BxN)
-    out["advantages"] = group_advantages(rewards_B, group, cfg.advantage,
-                                         cfg.adv_eps).reshape(-1, group)
+    out["advantages"] = group_advantages(rewards_B, group, cfg.advantage, cfg.adv_eps,
+                                         ctx.rows_per_trajectory).reshape(-1, group)
     return out, metrics, x.carry

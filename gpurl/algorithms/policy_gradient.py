@@ -112,10 +112,14 @@ def _rloo_advantages(r_PxG: jax.Array, eps: float) -> jax.Array:
     return (r_PxG - r_PxG.mean(-1, keepdims=True)) * group / max(group - 1, 1)
 
 
-def group_advantages(rewards_B: jax.Array, group: int, kind: str, eps: float = 1e-4) -> jax.Array:
-    """Advantages from rewards of G completions per prompt (rows grouped contiguously)."""
-    r_PxG = rewards_B.reshape(-1, group).astype(jnp.float32)
-    return ADVANTAGES[kind](r_PxG, eps).reshape(-1)
+def group_advantages(rewards_B: jax.Array, group: int, kind: str, eps: float = 1e-4,
+                     rows_per: int = 1) -> jax.Array:
+    """Advantages from rewards of `group` rows per prompt (grouped contiguously). With
+    `rows_per` > 1 (agents, `gpurl.serve.agents`) a trajectory takes that many consecutive
+    rows, each carrying its reward: the advantages are its group's over trajectories, each
+    counted once, and every row of a trajectory gets its trajectory's."""
+    r_PxT = rewards_B.reshape(-1, group // rows_per, rows_per)[..., 0].astype(jnp.float32)
+    return jnp.repeat(ADVANTAGES[kind](r_PxT, eps), rows_per, axis=-1).reshape(-1)
 
 
 # ---------------------------------------------------------------- the clipped surrogate

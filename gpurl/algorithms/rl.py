@@ -25,6 +25,9 @@ class RLContext:
     # the batch may hold rounds sampled a step ahead by the previous parameters
     # (rollout.mode=one_ahead with split placement): pi_old is computed and the batch corrected
     off_policy: bool = False
+    # rows one trajectory takes (agents, env.agent_rows): a group's advantages are its
+    # trajectories', each counted once (`group_advantages`)
+    rows_per_trajectory: int = 1
 
 
 @flax.struct.dataclass

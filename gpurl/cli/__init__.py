@@ -30,7 +30,8 @@ from gpurl.commands.evaluate import evaluate
 from gpurl.commands.export import export_run
 from gpurl.commands.generate import generate
 from gpurl.commands.plan import plan
-from gpurl.config import ConfigError, EvalConfig, GenerateConfig
+from gpurl.commands.serve import serve
+from gpurl.config import ConfigError, EvalConfig, GenerateConfig, ServeConfig
 from gpurl.distributed import runtime
 from gpurl.envs import EnvError
 from gpurl.rewards import RewardError
@@ -51,6 +52,8 @@ SUBCOMMANDS = {
     "check": "check COMMAND [overrides] [processes=N] [devices=N]: every start-up check of "
              "train, plan, eval or generate, nothing loaded or run",
     "plot": "plot RUN_DIR [RUN_DIR...] [out=FILE.png]: reward / loss / KL / eval curves (plot.png)",
+    "serve": "serve [model=NAME | checkpoint=RUN_DIR] [port=8000] [api_key=KEY]: an "
+             "OpenAI-compatible server on the rollout engine (127.0.0.1, with a key)",
 }
 # Hydra's own flags: they print or configure, so they skip gpurl's pre-validation.
 _HYDRA_INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i",
@@ -95,6 +98,13 @@ def _eval_job(cfg_node: Any) -> None:
         _fail(str(e))
 
 
+def _serve_job(cfg_node: Any) -> None:
+    try:
+        serve(to_config(cfg_node, ServeConfig))
+    except ConfigError as e:
+        _fail(str(e))
+
+
 def _plan_job(cfg_node: Any) -> None:
     try:
         plan(to_config(cfg_node))
@@ -102,7 +112,8 @@ def _plan_job(cfg_node: Any) -> None:
         _fail(str(e))
 
 
-JOBS = {"train": _train_job, "plan": _plan_job, "generate": _generate_job, "eval": _eval_job}
+JOBS = {"train": _train_job, "plan": _plan_job, "generate": _generate_job, "eval": _eval_job,
+        "serve": _serve_job}
 
 
 def _fail(message: str) -> typing.NoReturn:
@@ -228,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if command in ("export", "plot", "check"):
         {"export": _export, "plot": _plot, "check": _check}[command](rest)
         return
-    if command in ("eval", "generate") and any(a in ("--help", "-h") for a in rest):
+    if command in ("eval", "generate", "serve") and any(a in ("--help", "-h") for a in rest):
         print(app_help(APPS[command]))  # the groups this command takes, not all of configs/
         return
     if command == "generate":

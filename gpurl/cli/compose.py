@@ -29,7 +29,7 @@ import yaml
 
 import gpurl
 from gpurl.algorithms import registry
-from gpurl.config import Config, ConfigError, EvalConfig, GenerateConfig
+from gpurl.config import Config, ConfigError, EvalConfig, GenerateConfig, ServeConfig
 from gpurl.config.dicts import (LIST_SHORTHAND, MOVED_KEYS, REWARDS_SHORTHAND, replaced_key,
                                 upgrade, yaml_key)
 from gpurl.data import suites
@@ -82,7 +82,8 @@ class App:
 APPS = {"train": App("train", "config", Config),
         "plan": App("plan", "config", Config),  # gpurl train's config, planned not run
         "generate": App("generate", "generate", GenerateConfig),
-        "eval": App("eval", "eval", EvalConfig)}
+        "eval": App("eval", "eval", EvalConfig),
+        "serve": App("serve", "serve", ServeConfig)}
 
 
 def app_groups(app: App) -> dict[str, list[str]]:

@@ -28,7 +28,7 @@ import yaml
 
 from gpurl.algorithms import registry
 from gpurl.cli.compose import config_dir
-from gpurl.config import AlgoConfig, Config, EvalConfig, GenerateConfig
+from gpurl.config import AlgoConfig, Config, EvalConfig, GenerateConfig, ServeConfig
 from gpurl.config.dicts import MOVED_KEYS, REPLACED_KEYS, REWARDS_SHORTHAND, yaml_key
 
 DOC_PATH = Path("docs/configuration.md")
@@ -224,7 +224,7 @@ def render(configs: Path | None = None) -> str:
               "the choice; the config.yaml of older run directories is read as that choice.", ""]
     lines += [f"- `{old}=true`: now `{new}={values[True]}`"
               for old, (new, values) in REPLACED_KEYS.items()] + [""]
-    for command, cls in (("generate", GenerateConfig), ("eval", EvalConfig)):
+    for command, cls in (("generate", GenerateConfig), ("eval", EvalConfig), ("serve", ServeConfig)):
         sub_groups, _ = _dataclass_fields(cls)
         lines += [f"## `gpurl {command}`", "", " ".join((cls.__doc__ or "").split()), "",
                   "Uses the groups " + ", ".join(f"`{g}`" for g, _ in sub_groups)

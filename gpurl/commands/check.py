@@ -20,7 +20,9 @@ from gpurl import hub
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.commands.plan import planned_config
-from gpurl.config import Config, ConfigError, EvalConfig, GenerateConfig
+from gpurl.commands.serve import serve_checks
+from gpurl.serve.agents import check_agent
+from gpurl.config import Config, ConfigError, EvalConfig, GenerateConfig, ServeConfig
 from gpurl.data import suites
 from gpurl.data.batching import check_processes
 from gpurl.data.sources import default_rewards
@@ -134,8 +136,14 @@ def _generate(cfg: GenerateConfig, processes: int, devices: int) -> list[str]:
     return lines
 
 
+def _serve(cfg: ServeConfig, processes: int, devices: int) -> list[str]:
+    lines = [_run_dir(cfg.checkpoint) if cfg.checkpoint is not None else _model_line(cfg.model)]
+    rollout_shards(cfg.mesh, processes * devices)
+    return lines + serve_checks(cfg, processes)
+
+
 CHECKS: dict[str, Callable[[Any, int, int], list[str]]] = {
-    "train": _train, "plan": _plan, "eval": _eval, "generate": _generate}
+    "train": _train, "plan": _plan, "eval": _eval, "generate": _generate, "serve": _serve}
 
 
 def _model_line(model: Any) -> str:
@@ -171,10 +179,12 @@ def _data(data: Any) -> list[str]:
 
 
 def _task(cfg: Any) -> list[str]:
-    """The reward functions import and the environment (and its tools) load."""
+    """The reward functions import and the environment (and its tools) or the agent load."""
     rewards = load_rewards(cfg.rewards, [] if cfg.env.on else default_rewards(cfg.data))
     lines = [f"rewards: {', '.join(r.name for r in rewards) or 'the environment'}"]
-    if cfg.env.on:
+    if cfg.env.agents:
+        lines.append(f"env: agent {check_agent(cfg.env)}")
+    elif cfg.env.on:
         EnvFactory(cfg.env)
         lines.append(f"env: {cfg.env.name}")
     return lines

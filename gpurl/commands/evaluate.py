@@ -23,6 +23,7 @@ from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.engine import Engine
 from gpurl.rollout.rounds import Rounds, rollout_engine
 from gpurl.rollout.suites import load_rows
+from gpurl.serve.agents import AgentRunner
 from gpurl.rollout.prompts import encode_prompts, prompt_tools
 from gpurl.rollout.requests import prompt_width
 from gpurl.train.checkpoint import Checkpointer
@@ -60,9 +61,14 @@ def evaluate(cfg: EvalConfig, from_run: Sequence[str] = ()) -> dict[str, float]:
                                       cfg.data.max_len, "eval", prompt_tools(cfg.env))
     rewards = load_rewards(cfg.rewards, [] if cfg.env.on else default_rewards(cfg.data))
     engine, params = _sampler(cfg, model_cfg, params, tokenizer, cfg.env)
+    agents = (AgentRunner(cfg.env, engine, tokenizer, engine.stop_ids, cfg.rollout)
+              if cfg.env.agents else None)
     rounds = Rounds(engine, tokenizer, rewards, prompt_width(max(len(t) for t in prompts.tokens)),
-                    cfg.env)
-    figures = rounds.evaluate(params, prompts, cfg.pass_k, cfg.batch_size, cfg.seed)
+                    cfg.env, agents)
+    try:
+        figures = rounds.evaluate(params, prompts, cfg.pass_k, cfg.batch_size, cfg.seed)
+    finally:
+        rounds.close()
     if runtime.is_main_process():
         print(f"[gpurl] eval of {source} on {len(prompts)} held-out {cfg.data.name} prompts "
               f"({skipped} longer than data.max_len skipped), correct = "

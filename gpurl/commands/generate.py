@@ -85,6 +85,9 @@ def generate(cfg: GenerateConfig) -> dict[int, tuple[str, int, float]]:
                       stop_ids=stop_token_ids(tokenizers["t"], _stops(cfg),
                                               not cfg.rollout.ignore_eos))
 
+    if cfg.env.agents:
+        raise ConfigError("gpurl generate steps environments, not agents; run the agent against "
+                          "`gpurl serve` to watch it play (docs/agents.md).")
     if cfg.env.on:
         return _trajectories(cfg, sampler_for, tokenizers)
     model_cfg, engine, params = _model(cfg, sampler_for)

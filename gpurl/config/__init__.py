@@ -29,7 +29,8 @@ from gpurl.config.algo import (Advantage, AlgoConfig, CriticBackbone, CriticConf
 from gpurl.config.model import LoraConfig, MoEConfig, ModelConfig
 from gpurl.config.run import (LoggerName, Placement, RolloutMode, OptimConfig, TrainConfig,
                               RolloutConfig, MeshConfig, LoggerConfig, RunConfig, DistributedConfig,
-                              RewardsConfig, PlanConfig, Config, GenerateConfig, EvalConfig)
+                              RewardsConfig, PlanConfig, Config, GenerateConfig, EvalConfig,
+                              ServeConfig)
 
 __all__ = ["DTYPES", "ConfigError", "lookup", "DataConfig", "EnvConfig", "Advantage",
            "AlgoConfig", "CriticBackbone", "CriticConfig", "Divergence", "DistillSignal",
@@ -39,4 +40,4 @@ __all__ = ["DTYPES", "ConfigError", "lookup", "DataConfig", "EnvConfig", "Advant
            "TeacherConfig", "LoraConfig", "MoEConfig", "ModelConfig", "LoggerName", "Placement",
            "RolloutMode", "OptimConfig", "TrainConfig", "RolloutConfig", "MeshConfig", "LoggerConfig",
            "RunConfig", "DistributedConfig", "RewardsConfig", "PlanConfig", "Config",
-           "GenerateConfig", "EvalConfig"]
+           "GenerateConfig", "EvalConfig", "ServeConfig"]

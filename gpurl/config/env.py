@@ -10,6 +10,9 @@ from gpurl.config.checks import ConfigError
 from gpurl.config.checks import choice as _choice, positive as _positive, tuplify as _tuplify
 
 
+AGENT = "agent"  # env.name of agents that play through the gateway
+
+
 @dataclass(frozen=True)
 class EnvConfig:
     """Multi-turn RL: an environment per trajectory (`gpurl.envs`), stepped on the host of
@@ -30,6 +33,13 @@ class EnvConfig:
     # trajectory with env.error_reward, counted in env/errors) or stop (end the run naming it and the row)
     on_error: str = "end"
     error_reward: float = 0.0  # trajectory reward of a trajectory ended by an error
+    # env.name=agent (env=agent): agent code written against the OpenAI API plays each
+    # trajectory through gpurl's gateway (docs/agents.md). One of the two:
+    agent: Optional[str] = None  # "pkg.module:solve": `async def solve(client, row) -> float | dict`, given an openai.AsyncOpenAI client on the trajectory's own session
+    agent_command: Optional[str] = None  # a command line started per trajectory with OPENAI_BASE_URL, OPENAI_API_KEY and GPURL_ROW (the row as JSON, also on stdin) set; its reward is the last line it prints (a number, or JSON with "reward")
+    agent_timeout_s: float = 300.0  # wall-clock seconds of one trajectory; past them it ends with env.error_reward
+    agent_max_calls: int = 32  # model calls of one trajectory at most
+    agent_rows: int = 2  # rows one trajectory may take in the batch: each fork (a call whose history the agent or the template rewrote) starts one; past them the oldest is dropped
 
     def __post_init__(self) -> None:
         _tuplify(self)
@@ -43,6 +53,16 @@ class EnvConfig:
         _positive("env.max_turns", self.max_turns)
         _positive("env.max_tokens", self.max_tokens)
         _positive("env.timeout_s", self.timeout_s, allow_zero=True)
+        agents = (self.agent is not None) + (self.agent_command is not None)
+        if self.name == AGENT and agents != 1:
+            raise ConfigError("env=agent needs exactly one of env.agent=pkg.module:solve (an "
+                              "async function) or env.agent_command='...' (a program).")
+        if self.name != AGENT and agents:
+            raise ConfigError("env.agent and env.agent_command are read with env=agent "
+                              "(env.name=agent); set it or drop them.")
+        _positive("env.agent_timeout_s", self.agent_timeout_s)
+        _positive("env.agent_max_calls", self.agent_max_calls)
+        _positive("env.agent_rows", self.agent_rows)
         if self.tools and self.name is None:
             raise ConfigError("env.tools names tools but env.name is null; choose an "
                               "environment that calls them (e.g. env=tools or env.name=pkg.module:Name).")
@@ -50,3 +70,13 @@ class EnvConfig:
     @property
     def on(self) -> bool:
         return self.name is not None
+
+    @property
+    def agents(self) -> bool:
+        """Whether agent code plays the trajectories (env=agent), not an `Environment`."""
+        return self.name == AGENT
+
+    @property
+    def rows_per_trajectory(self) -> int:
+        """Rows a trajectory takes in the batch: env.agent_rows with agents, else 1."""
+        return self.agent_rows if self.agents else 1

@@ -422,6 +422,31 @@ class GenerateConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    """`gpurl serve`: an OpenAI-compatible HTTP server on the rollout engine (docs/agents.md)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # sampling defaults of a call that names none; rollout.max_new_tokens is a call's default limit
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: Optional[str] = None  # a gpurl run directory: its newest checkpoint and model config
+    host: str = "127.0.0.1"  # the address to listen on; loopback by default (another address is reachable from the network: keep the key secret)
+    port: int = 8000  # the port (0: a free one, printed)
+    api_key: Optional[str] = None  # the key every request must carry (Authorization: Bearer KEY); null: $GPURL_API_KEY, else a random one printed at start
+    served_model_name: Optional[str] = None  # the model id /v1/models lists; null: the model preset's name
+    tool_format: str = "hermes"  # how the model writes tool calls, parsed into tool_calls (gpurl.envs.formats: hermes, llama3)
+    max_context: int = 0  # prompt + completion tokens of a call at most; 0 = model.max_seq_len
+    seed: int = 0  # random-init weights' seed (a preset without weights)
+
+    def __post_init__(self) -> None:
+        _positive("port", self.port, allow_zero=True)
+        _positive("max_context", self.max_context, allow_zero=True)
+        _choice("tool_format", self.tool_format, ("hermes", "llama3"))
+        if self.port > 65535:
+            raise ConfigError(f"port={self.port} is no TCP port; use 1-65535 (0: a free one).")
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """`gpurl eval`: held-out greedy accuracy and pass@k of a preset, checkpoint or run, or
     with `suite` its avg@n and pass@k on standard suites (docs/evaluation.md)."""

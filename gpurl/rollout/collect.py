@@ -256,6 +256,9 @@ class Collector:
         if rounds[0].env is not None:  # multi-turn: the unfiltered round 0's trajectories
             metrics.update(self._env_stats(rounds[0].env, rounds[0].mask,
                                            rounds[0].lengths, jnp.asarray(rounds[0].positions)))
+        if rounds[0].agent is not None:  # agents: how their trajectories went
+            metrics.update(agent_stats(rounds[0].agent, rounds[0].row_ids,
+                                       self.source.env.rows_per_trajectory))
         return Collected(batch, rewards_B, metrics, assembled_at, lag,
                          functools.partial(self._lengths, rounds, select_B))
 
@@ -360,3 +363,23 @@ class Collector:
         for f, name in enumerate(self.source.score_names):
             out[f"reward/{name}"] = scores[:, 1 + f].mean()
         return out
+
+
+# Each agent trajectory's counts (`gpurl.serve.agents`), on its first row
+AGENT_COUNTS = ("failed", "raised", "timeouts", "over_limit", "no_reward", "calls", "forks",
+                "dropped", "truncated")
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def agent_stats(counts_BxC: jax.Array, row_ids_B: jax.Array, rows_per: int) -> dict[str, jax.Array]:
+    """Agent metrics over the round's trajectories (every process's): the share that failed
+    and how many for each reason (raised, ran past env.agent_timeout_s, a call past a cap
+    or refused, no reward), and per trajectory its calls, forks, rows dropped past
+    env.agent_rows and rows cut at env.max_tokens."""
+    n = jnp.maximum((row_ids_B >= 0).sum() / rows_per, 1.0)
+    total = dict(zip(AGENT_COUNTS, counts_BxC.sum(0)))
+    return {"agent/failed": total["failed"] / n, "agent/raised": total["raised"],
+            "agent/timeouts": total["timeouts"], "agent/over_limit": total["over_limit"],
+            "agent/no_reward": total["no_reward"], "agent/calls": total["calls"] / n,
+            "agent/forks": total["forks"] / n, "agent/rows_dropped": total["dropped"],
+            "agent/truncated": total["truncated"]}

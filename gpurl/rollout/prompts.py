@@ -41,7 +41,7 @@ class Prompts:
 def prompt_tools(env: EnvConfig | None) -> list[dict]:
     """The function schemas of the tools `env` calls, as chat templates read them
     (`Tool.function`); [] without an environment or with one that calls no tools."""
-    if env is None or not env.on:
+    if env is None or not env.on or env.agents:  # an agent shows its own tools in its calls
         return []
     return [tool.function for tool in EnvFactory(env).tools]
 

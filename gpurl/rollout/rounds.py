@@ -16,10 +16,11 @@ masks and the environment's figures.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,19 @@ from gpurl.rollout.scoring import CUT, RowContext, ShardedScorer
 
 # A completion counts as correct when the first reward function gives it at least this.
 CORRECT = 1.0 - 1e-6
+
+
+class Agents(Protocol):
+    """What plays a round's trajectories when agents do (`gpurl.serve.agents.AgentRunner`):
+    `run` returns their rows as `Episodes.arrays` lays them out, plus "prompt_tokens",
+    "prompt_lengths" and "counts" (per row, the trajectory's counts on its first row);
+    `close` stops what serves them."""
+
+    def run(self, params: Params, prompts: Prompts, ids: np.ndarray, seeds: np.ndarray,
+            per_prompt_rows: int, prompt_width: int, width: int,
+            temperature: float | None) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
 
 
 def row_seeds(seed: int, step: int, rnd: int, rows: int) -> np.ndarray:
@@ -73,6 +87,8 @@ class Round:
     sharding: NamedSharding  # the rollout rows
     env: jax.Array | None = None  # B x 3 with an environment: trajectory reward, turns, error
     mask: jax.Array | None = None  # B x N with an environment: 1 on the model's tokens
+    # B x len(AGENT_COUNTS) with agents (env=agent): each trajectory's counts on its first row
+    agent: jax.Array | None = None
 
     @functools.cached_property
     def rollout(self) -> Rollout:
@@ -118,12 +134,15 @@ class Rounds:
     the environment's plus the reward functions' score of the last model turn."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, rewards: Sequence[Reward],
-                 prompt_width: int, env: EnvConfig | None = None):
+                 prompt_width: int, env: EnvConfig | None = None, agents: Agents | None = None):
         self.engine, self.tokenizer, self.rewards = engine, tokenizer, list(rewards)
         self.prompt_width = prompt_width
         self.env = env if env is not None and env.on else None
         self.stop = stop_strings(engine.cfg, self.env)
-        self.factory = EnvFactory(self.env) if self.env else None
+        # env=agent: agent code plays the trajectories through a gateway (given by the
+        # caller: `gpurl.serve.agents.AgentRunner`); else an environment per trajectory
+        self.agents = agents
+        self.factory = EnvFactory(self.env) if self.env and agents is None else None
         self.scorer = ShardedScorer(engine.mesh, self.rewards, tokenizer, self.stop)
         # completion width: a trajectory's tokens after the prompt, or one completion's
         self.width = self.env.max_tokens if self.env else engine.cfg.max_new_tokens
@@ -140,6 +159,11 @@ class Rounds:
         """The longest prompt a request can have: with an environment, a resumed turn's
         prompt holds the trajectory so far."""
         return self.prompt_width + (self.width if self.env else 0)
+
+    def close(self) -> None:
+        """Stops the agents' gateway, if any (`gpurl.serve.agents.AgentRunner.close`)."""
+        if self.agents is not None:
+            self.agents.close()
 
     def check_rows(self, prompts: int, group: int) -> None:
         """A step's `prompts` x `group` rows split evenly over the processes and the
@@ -167,8 +191,12 @@ class Rounds:
         local_seeds[:per] = seeds[rank * per:(rank + 1) * per]
         local_ids = np.full(padded, -1, np.int32)
         local_ids[:per] = np.where(ids >= 0, rank * per + np.arange(per), -1)
-        requests = [self.first_requests(t, [s], temperature)[0] for t, s in zip(tokens, local_seeds)]
         t0 = time.perf_counter()
+        if self.agents is not None:
+            row_ids = np.concatenate([ids, np.full(padded - per, -1)])
+            return self._agents(params, prompts, row_ids, local_seeds, local_ids, indices,
+                                group, per, temperature, t0)
+        requests = [self.first_requests(t, [s], temperature)[0] for t, s in zip(tokens, local_seeds)]
         env = mask = None
         if self.env:
             rows = [prompts.rows[i] if i >= 0 else None for i in ids] + [None] * (padded - per)
@@ -187,6 +215,21 @@ class Rounds:
         opened = np.asarray([prompts.opens(i) for i in ids] + [False] * (padded - per))
         return self._scored(local, (*scored, opened), local_ids, global_rows, group, per,
                             time.perf_counter() - t0, dict(engine.stats), env, mask)
+
+    def _agents(self, params: Params, prompts: Prompts, row_ids: np.ndarray, seeds: np.ndarray,
+                local_ids: np.ndarray, indices: np.ndarray, group: int, per: int,
+                temperature: float | None, t0: float) -> Round:
+        """A round whose trajectories agents play through the gateway (`self.agents`)."""
+        arrays = self.agents.run(params, prompts, row_ids, seeds, group, self.prompt_width,
+                                 self.width, temperature)
+        local, scored, env, mask = self._trajectories(arrays)
+        local["prompt_tokens"], local["prompt_lengths"] = arrays["prompt_tokens"], arrays["prompt_lengths"]
+        opened = np.zeros(len(row_ids), bool)
+        global_rows = [prompts.rows[i] if i >= 0 else prompts.rows[0] for i in indices]
+        agent = host.to_device(arrays["counts"], self.engine.rows)
+        out = self._scored(local, (*scored, opened), local_ids, global_rows, group, per,
+                           time.perf_counter() - t0, dict(self.engine.stats), env, mask)
+        return dataclasses.replace(out, agent=agent)
 
     def new_episodes(self) -> Episodes:
         """Trajectories of some rows (`Episodes.begin`) with this run's environment."""
@@ -324,14 +367,15 @@ class Rounds:
         n, count = len(prompts), runtime.process_count()
         per_call = max(batch_rows // k, 1)
         per_call += -per_call % count
+        rows_per = self.env.rows_per_trajectory if self.env is not None else 1
         chunks = []
         for start in range(0, n, per_call):
             idx = np.arange(start, start + per_call)
             idx = np.where(idx < n, idx, -1)
-            seeds = row_seeds(seed, 2**31, start, len(idx) * k)
-            r = self.run(params, prompts, idx, k, seeds, temperature)
-            scores = host.to_host(r.scores)[r.positions]
-            chunks.append(scores.reshape(len(idx), k, -1)[idx >= 0])
+            seeds = row_seeds(seed, 2**31, start, len(idx) * k * rows_per)
+            r = self.run(params, prompts, idx, k * rows_per, seeds, temperature)
+            scores = host.to_host(r.scores)[r.positions]  # a trajectory's rows score alike
+            chunks.append(scores.reshape(len(idx), k, rows_per, -1)[:, :, 0][idx >= 0])
         return np.concatenate(chunks)
 
 

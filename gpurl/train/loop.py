@@ -28,6 +28,7 @@ from gpurl import hub
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
 from gpurl.data import suites
+from gpurl.rollout.sources import check_agents
 from gpurl.rollout.suites import SuiteEvaluation, load_rows
 from gpurl.config import Config, ConfigError, ModelConfig
 from gpurl.config.dicts import to_dict, upgrade
@@ -96,6 +97,10 @@ def check_context(cfg: Config, algorithm: registry.Algorithm) -> None:
         raise ConfigError(f"train.suites samples the policy during RL runs, not during "
                           f"algo={cfg.algo.name}'s; drop train.suites and evaluate the run "
                           f"afterwards with `gpurl eval checkpoint=RUN suite=...`.")
+    if cfg.env.agents and algorithm.family != Family.RL:
+        raise ConfigError(f"env=agent plays RL trajectories, not algo={cfg.algo.name}'s "
+                          f"batches; choose an RL algorithm (algo=grpo) or drop env=agent.")
+    check_agents(cfg.rollout, cfg.env)
 
 
 def _pinned(cfg: Config) -> Config:
@@ -439,6 +444,7 @@ def _train(cfg: Config, stop: _Stop) -> dict[str, Any]:
         if sink is not None:
             sink.close()
         s.ckpt.close()
+        s.stepper.close()
     if step < cfg.train.steps:  # stopped by SIGTERM: a checkpoint holds the step
         return {"step": step, "finished": False}
     summary = {"step": step, "finished": True, **last_eval, **_peak_memory()}

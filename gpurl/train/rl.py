@@ -38,6 +38,7 @@ from gpurl.rollout.prompts import Prompts, encode_prompts, prompt_tools
 from gpurl.rollout.requests import prompt_width
 from gpurl.rollout.sources import batch_source
 from gpurl.rollout.weights import PolicyWeights
+from gpurl.serve.agents import AgentRunner
 from gpurl.train.metrics import DeviceTimer, Sum, Within
 from gpurl.train.step import TrainState, jit_rows
 from gpurl.train.rl_programs import RLPrograms
@@ -73,17 +74,17 @@ class RLStepper(RLPrograms, Stepper):
         self.frozen = setup.frozen  # the reference, a reward model, a teacher (loaded late)
         # With an environment its reward is the task's; reward functions apply when named.
         self.functions = load_rewards(rewards, [] if env and env.on else default_rewards(data))
-        longest = max(len(t) for t in self.prompts.tokens + (self.evals.tokens if self.evals else []))
-        # mesh.rollout_tp=auto: the width leaving the most room for the KV pool beside what
-        # stays on the devices (colocated: the train state and the frozen models)
+        # mesh.rollout_tp=auto: the width leaving the KV pool most room (colocated: beside the state)
         beside = (setup.place.state_bytes() + self.frozen.bytes_per_device()
                   if mesh.placement == "colocated" else 0.0)
         mesh, self.layout = layout.resolve(mesh, spec.policy, placement_devices(mesh)[1],
                                            memory - beside)
         self.engine = rollout_engine(spec.policy, setup.tokenizer, rollout, mesh,
                                      placement_devices(mesh)[1], env)
-        self.rounds = Rounds(self.engine, setup.tokenizer, self.functions, prompt_width(longest), env)
-        self.rounds.check_rows(train.batch_size, algo.num_generations)
+        self.rounds = _rounds(self.engine, setup.tokenizer, self.functions,
+                              [self.prompts, self.evals], env, rollout)
+        self.group = algo.num_generations * _rows_per(env)  # rows per prompt
+        self.rounds.check_rows(train.batch_size, self.group)
         self.sync = WeightSync(spec.policy_params(place.state.params),
                                self.engine.abstract_params)
         # With a reward model and no reward functions named, the functions (the data's
@@ -92,7 +93,7 @@ class RLStepper(RLPrograms, Stepper):
                           0.0 if self.frozen.reward_model is not None and not rewards.functions
                           else 1.0)
         self.collector = Collector(
-            self.rounds, self.prompts, group=algo.num_generations, batch_size=train.batch_size,
+            self.rounds, self.prompts, group=self.group, batch_size=train.batch_size,
             seed=train.seed, shaping=shaping, drop_equal=algo.dynamic_sampling,
             rounds=1 + (algo.max_refills if algo.dynamic_sampling else 0),
             batch_sharding=place.batch, colocated=self.sync.colocated,
@@ -100,7 +101,7 @@ class RLStepper(RLPrograms, Stepper):
         # rollout.mode: where the step's batches come from (off-policy ones are corrected:
         # the prepare step computes pi_old, `gpurl.algorithms.behaviour.behaviour_weights`)
         self.source = batch_source(rollout, self.collector, PolicyWeights(self.sync),
-                                   self.prompts, group=algo.num_generations,
+                                   self.prompts, group=self.group,
                                    batch_size=train.batch_size, seed=train.seed, steps=train.steps)
         self.overlap = self.source.off_policy
         self.carry = {k: jnp.float32(v) for k, v in setup.algorithm.carry(algo).items()}
@@ -109,11 +110,11 @@ class RLStepper(RLPrograms, Stepper):
         self.shards = batch_divisor(place.mesh, mesh.train_rules)
         self.context = place.mesh.shape.get("context", 1)
         self.budget = train.micro_batch_tokens or packing.default_budget(
-            train.batch_size // train.num_micro_batches, algo.num_generations,
+            train.batch_size // train.num_micro_batches, self.group,
             self.rounds.prompt_width + self.rounds.width, self.shards)
         reward_model = self.frozen.reward_model
         ctx = RLContext(spec, rollout.temperature, reward_model.spec if reward_model else None,
-                        off_policy=self.overlap)
+                        off_policy=self.overlap, rows_per_trajectory=_rows_per(env))
         self._prepare = jit_rows(functools.partial(self._prepare_fn, ctx), place,
                                  out_shardings=(place.batch, replicated(place.mesh),
                                                replicated(place.mesh)))
@@ -193,6 +194,21 @@ class RLStepper(RLPrograms, Stepper):
 
     def sampler(self) -> tuple[Any, Callable[[Any], Any]]:
         return self.engine, lambda params: self.sync(self.setup.spec.policy_params(params))
+
+
+def _rounds(engine: Any, tokenizer: Any, functions: list, prompts: list[Prompts | None],
+            env: EnvConfig | None, rollout: RolloutConfig) -> Rounds:
+    """The step's rounds, at the width of the longest of `prompts`; with env=agent, agents
+    play their trajectories through the gateway (`gpurl.serve.agents`)."""
+    longest = max(len(t) for p in prompts if p is not None for t in p.tokens)
+    agents = (AgentRunner(env, engine, tokenizer, engine.stop_ids, rollout)
+              if env is not None and env.agents else None)
+    return Rounds(engine, tokenizer, functions, prompt_width(longest), env, agents)
+
+
+def _rows_per(env: EnvConfig | None) -> int:
+    """Rows one trajectory takes in the batch (env.agent_rows with agents, else 1)."""
+    return env.rows_per_trajectory if env is not None else 1
 
 
 def _prompts(data: DataConfig, setup: Setup,

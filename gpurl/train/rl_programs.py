@@ -40,7 +40,7 @@ class RLPrograms:
 
     def _prepare_args(self, rollout: RolloutBatch, packed: dict | None) -> tuple:
         """The prepare step's arguments, abstract, for a collected batch's shapes."""
-        place, rows = self.setup.place, self.train.batch_size * self.algo.num_generations
+        place, rows = self.setup.place, self.train.batch_size * self.group
         return (abstract(place.abstract_state.params, place.state.params), *self.frozen.abstract(),
                 rollout, packed, jax.ShapeDtypeStruct((rows,), jnp.float32), self.carry)
 
@@ -58,7 +58,7 @@ class RLPrograms:
         """A step's rollout round: batch_size x G rows at the run's prompt width, the
         batches a stream holds at once, and (colocated) the train state and frozen models
         beside it; an evaluation's pool beside a stream's."""
-        rows, g = self.train.batch_size * self.algo.num_generations, self.algo.num_generations
+        rows, g = self.train.batch_size * self.group, self.group
         count = runtime.process_count()
         resident = 0.0
         if self.sync.colocated:  # what is not shared with the sampling copy stays beside it
@@ -77,6 +77,10 @@ class RLPrograms:
 
     def _policy_abstract(self) -> Any:
         return self.setup.spec.policy_params(self.setup.place.abstract_state.params)
+
+    def close(self) -> None:
+        """The agents' gateway (env=agent) stops with the run."""
+        self.rounds.close()
 
     def plan_prompt_len(self, tokens: int) -> None:
         """Rollouts of prompts padded to `tokens` (rounded up to a bucket) instead of the

@@ -149,3 +149,6 @@ class Stepper:
 
     def restore_meta(self, meta: dict) -> None:
         pass
+
+    def close(self) -> None:
+        """Releases what the stepper holds outside JAX (servers, threads) at the run's end."""
