@@ -174,6 +174,46 @@ def test_jsonl_missing_file(tmp_path: Path) -> None:
         load_examples(DataConfig(name="jsonl", path=str(tmp_path / "none.jsonl")))
 
 
+def _damaged(tmp_path: Path) -> dict[str, Path]:
+    """A damaged copy of each file format gpurl reads (and of a save_to_disk directory)."""
+    import datasets
+
+    good = datasets.Dataset.from_list([{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"}
+                                       for i in range(40)])
+    files = {"parquet": tmp_path / "d.parquet", "arrow": tmp_path / "d.arrow",
+             "csv": tmp_path / "d.csv", "json": tmp_path / "d.json",
+             "save_to_disk": tmp_path / "saved"}
+    good.to_parquet(str(files["parquet"]))
+    raw = files["parquet"].read_bytes()
+    files["parquet"].write_bytes(raw[:len(raw) // 2])  # cut short: no footer
+    files["arrow"].write_bytes(b"\x00not an arrow stream\xff" * 20)
+    files["csv"].write_bytes(b"prompt,completion\n\xff\xfe bad bytes,\"unclosed\n")
+    files["json"].write_text('[{"prompt": "a", "completion": "b"}, {"prompt": ')
+    good.save_to_disk(str(files["save_to_disk"]))
+    for arrow in files["save_to_disk"].glob("*.arrow"):
+        arrow.write_bytes(arrow.read_bytes()[:64])
+    return files
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow", "csv", "json", "save_to_disk"])
+def test_a_damaged_data_file_is_one_sentence(tmp_path: Path, kind: str) -> None:
+    """data.path and suite_path to a damaged file of any format: one sentence naming the
+    key, the file and what to do (before: pyarrow's or datasets' traceback)."""
+    from gpurl.data import suites
+
+    path = _damaged(tmp_path)[kind]
+    for call in (lambda: list(load_examples(DataConfig(name="jsonl", path=str(path),
+                                                       num_eval=0))[0]),
+                 lambda: suites.load(suites.get("gsm8k"), str(path))):
+        with pytest.raises(ConfigError) as raised:
+            call()
+        message = str(raised.value)
+        assert str(path) in message and "\n" not in message, message
+        assert message.endswith(".") and message.count(". ") == 0, message
+        if kind != "json":  # a .json file's lines are read first: the bad line is named
+            assert re.search(r"not a readable \w+ file|cannot be read", message), message
+
+
 # --- SFT rows ----------------------------------------------------------------------------
 
 EXAMPLES = [{"prompt": f"{i} + {i} =", "completion": f" {2 * i}"} for i in range(0, 60, 7)]

@@ -54,6 +54,10 @@ def open_table(path_str: str | None, key: str, split: str = "train") -> Any:
             raise ConfigError(f"{key}={path} is a directory but not one written by "
                               f"save_to_disk; point it to a data file or such a "
                               f"directory.") from e
+        except Exception as e:  # noqa: BLE001 - a damaged save: pyarrow, json, datasets
+            raise ConfigError(f"{key}={path} is a save_to_disk directory that cannot be read "
+                              f"({_reason(e)}); save the dataset again or point {key} to "
+                              f"another copy.") from None
         return _pick_split(table, split, key, path)
     builder = BUILDERS.get(path.suffix.lower())
     if builder is None:
@@ -61,14 +65,27 @@ def open_table(path_str: str | None, key: str, split: str = "train") -> Any:
                           f"{', '.join(BUILDERS)} or a save_to_disk directory.")
     if path.stat().st_size == 0:
         raise ConfigError(f"{path} has no rows; add some.")
-    # CSV cells are text: pandas' type guessing would turn a completion " 5" into 5.
-    options = {}
-    if builder == "csv":
-        with path.open(encoding="utf-8", newline="") as f:
-            header = next(csv.reader(f), [])
-        options = {"features": datasets.Features({n: datasets.Value("string") for n in header}),
-                   "keep_default_na": False}
-    return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
+    try:
+        # CSV cells are text: pandas' type guessing would turn a completion " 5" into 5.
+        options = {}
+        if builder == "csv":
+            with path.open(encoding="utf-8", newline="") as f:
+                header = next(csv.reader(f), [])
+            options = {"features": datasets.Features({n: datasets.Value("string") for n in header}),
+                       "keep_default_na": False}
+        return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
+    except Exception as e:  # noqa: BLE001 - pyarrow, json, csv and datasets each raise their own
+        raise ConfigError(f"{key}={path} is not a readable {path.suffix.lower()[1:]} file "
+                          f"({_reason(e)}); write it again with the tool that made it, or "
+                          f"convert it to jsonl.") from None
+
+
+def _reason(error: BaseException) -> str:
+    """The innermost cause of a reader's error: its first sentence, on one line, short."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    text = " ".join(str(error).split()).split(". ")[0].rstrip(".") or type(error).__name__
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 def open_hub(name: str | None, split: str, subset: str | None, key: str = "data.dataset",
