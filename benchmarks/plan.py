@@ -64,10 +64,13 @@ SETTINGS = (grpo_setting("llama3_8b", 8, 8, 512, 8, 1024),
             grpo_setting("gemma2b", 1, 1, 256, 8, 1024))
 
 
-def mesh_overrides(devices: int) -> list[str]:
-    """The layout the table assumes: the trainer fully sharded over every device; the rest
-    (the context width, the token budget, the rollout's width and KV pool) the plan's
-    `auto` choices."""
+def mesh_overrides(preset: str) -> list[str]:
+    """The layout the table assumes: the trainer fully sharded over every device (a
+    mixture-of-experts preset: its experts over every device, `mesh.expert=-1`, with a
+    capacity of 2, as docs/scaling.md's "Where qwen3_30b_a3b fits"); the rest (the context
+    width, the token budget, the rollout's width and KV pool) the plan's `auto` choices."""
+    if validate([f"model={preset}"]).model.moe.num_experts:
+        return ["mesh.data=1", "mesh.expert=-1", "model.moe.capacity_factor=2"]
     return ["mesh.data=1", "mesh.fsdp=-1"]
 
 
@@ -92,7 +95,7 @@ def longest(preset: str, devices: int, lora: bool, lengths: Sequence[int],
     completion length, so a binary search over `lengths` finds it in about log2(len) plans."""
     rows = max(devices, 1) * 8  # 8 sequences per device
     base = [f"model={preset}", f"train.batch_size={rows // 8}", "algo.num_generations=8",
-            "plan.prompt_len=512", *mesh_overrides(devices)]
+            "plan.prompt_len=512", *mesh_overrides(preset)]
     base += ["model.lora.rank=16"] if lora else []
     tried: dict[int, dict[str, Any]] = {}
 

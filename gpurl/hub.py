@@ -106,7 +106,8 @@ def describe(value: str, key: str, kind: str = "model") -> str:
     path as is; a Hub id cached or to be fetched; offline and not cached, the start's own
     error."""
     if not is_hub_id(value):
-        return value
+        shadows = bool(_ID.fullmatch(value)) and not value.startswith((".", "~", "/"))
+        return f"{value} (local{', not the Hub id' if shadows else ''})"
     repo, revision = split_id(value)
     cache = str(cache_dir())
     try:
@@ -117,6 +118,19 @@ def describe(value: str, key: str, kind: str = "model") -> str:
             raise
         return f"{value} (Hub id, not in the cache {cache}: fetched at start)"
     return f"{value} (Hub id, cached: {path})"
+
+
+def cached(value: str, kind: str = "model") -> bool:
+    """Whether a start would read `value` without fetching it: a local path, or a Hub id
+    in the cache."""
+    if not is_hub_id(value):
+        return True
+    repo, revision = split_id(value)
+    try:
+        _download(repo, revision, kind, "", "", str(cache_dir()), local_only=True)
+    except ConfigError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)  # once per process and repository (errors are not cached)
@@ -201,6 +215,10 @@ def _download(repo: str, revision: str | None, kind: str, key: str, local: str, 
         raise ConfigError(f"{key}={name} is neither an existing local path nor a valid Hub id "
                           f"(org/name[@revision]); check the spelling.") from None
     except errors.LocalEntryNotFoundError:
+        parent = Path(repo).parent
+        if parent.is_dir():  # `runs/grpo` with runs/ here: a mistyped path, not an id
+            raise ConfigError(f"{key}={name} does not exist: {parent}/ holds no {Path(repo).name} "
+                              f"(and no Hub id {repo} is cached); check the path's spelling.") from None
         if local_only:
             raise ConfigError(f"{key}={name} is not in the Hugging Face cache ({cache}) and "
                               f"HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1) forbids downloading "

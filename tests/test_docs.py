@@ -65,3 +65,13 @@ def test_relative_links_resolve():
             if not outside and not (page.parent / target).exists():
                 missing.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not missing, f"broken links: {missing}"
+
+
+def test_shipped_files_cite_only_what_ships():
+    """Config comments, code and docs name files a user has: the development notes beside
+    the repository (REAL_MODEL.md, /work/shared) are not shipped (issue 66)."""
+    shipped = [*(ROOT / "configs").rglob("*.yaml"), *(ROOT / "gpurl").rglob("*.py"),
+               *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
+    citing = [str(p.relative_to(ROOT)) for p in shipped
+              if re.search(r"REAL_MODEL\.md|/work/shared", p.read_text())]
+    assert not citing, f"files citing notes that do not ship: {citing}"

@@ -17,6 +17,7 @@ solve`) written into a package, beside reward functions of the documented signat
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -31,6 +32,17 @@ from gpurl.config.dicts import to_dict
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMANDS = ("train", "plan", "eval", "generate", "serve")
+
+
+def _row(i: int) -> dict:
+    """A data row every documented layout reads (prompt/completion, pairs, GSM8K, MATH, suites)."""
+    q = f"What is {i}+1?"
+    return {"prompt": q, "completion": f" {i + 1}", "chosen": f" {i + 1}", "rejected": f" {i}",
+            "question": q, "answer": f"{i}+1={i + 1}\n#### {i + 1}", "problem": q,
+            "solution": f"\\boxed{{{i + 1}}}"}
+
+
+
 # keys whose values are the user's files: (kind) file, dir, or a gpurl run directory
 PATH_KEYS = {"model.checkpoint": "model", "algo.teacher": "model", "algo.reward_model": "dir",
              "data.path": "file", "data.eval_path": "file", "prompts_file": "file",
@@ -150,8 +162,8 @@ def _user_paths(args: list[str], tmp: Path, run_config: str) -> list[str]:
         path = tmp / "user" / value.lstrip("/~")
         if kind in ("file", None) or (kind == "model" and value.endswith(".gguf")):
             path.parent.mkdir(parents=True, exist_ok=True)
-            if kind == "file":
-                path.touch()
+            if kind == "file":  # rows a start reads (`gpurl check` reads them as it does)
+                path.write_text("".join(json.dumps(_row(i)) + "\n" for i in range(300)))
         elif kind in ("dir", "model"):
             path.mkdir(parents=True, exist_ok=True)
         elif kind == "run":
@@ -223,6 +235,8 @@ def test_every_documented_command_passes_gpurl_check(tmp_path, capsys, monkeypat
             errors = [_check([*argv, f"processes={processes}", "devices=1"], capsys)]
         elif any(a.startswith(("plan.devices=", "distributed.num_processes=")) for a in args):
             errors = [_check(argv + ["devices=1"] * (args[0] != "plan"), capsys)]
+        elif where.startswith("docs/distributed.md"):  # a node of eight, as the page says
+            errors = [_check([*argv, "devices=8"], capsys)]
         else:  # one GPU, or else a node of eight
             errors = [_check([*argv, "devices=1"], capsys)]
             errors += [_check([*argv, "devices=8"], capsys)] if errors[0] else []

@@ -42,7 +42,30 @@ CASES = {
                                     "was written for another model"),
     "non-finite loss": (["algo=sft", "optim.lr=1e30", "train.steps=4",
                          "train.checkpoint_every=0"], "not finite"),
+    # issue 66: refusals `gpurl check` missed before (tests/test_first_hour.py holds the check to them)
+    "continuous rollouts on colocated placement": (["rollout.mode=continuous"],
+                                                   "needs mesh.placement=split"),
+    "more held-out rows than the file has": (["data=jsonl", "data.path={tmp}/forty.jsonl",
+                                              "data.num_eval=200"], "leaves no training rows"),
+    "a run directory as model.checkpoint": (["model.init=auto", "model.checkpoint={tmp}/done"],
+                                            "gpurl export checkpoint="),
+    "a suite the offline cache lacks": (["train.suites=[gsm8k]"], "is not in the Hugging Face cache"),
+    "several processes without a coordinator": (["distributed.num_processes=8",
+                                                 "distributed.process_id=0"],
+                                                "needs distributed.coordinator=HOST:PORT"),
 }
+# What a start refuses only after compiling (memory) or running (a non-finite step):
+# `gpurl check` leaves memory to `gpurl plan` and runs no step.
+AFTER_START = ("run that does not fit", "non-finite loss")
+
+
+def write_inputs(tmp: Path) -> None:
+    """The files the cases name (besides the checkpointed run `done`)."""
+    (tmp / "bad.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": \n')
+    (tmp / "forty.jsonl").write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n'
+                                             for i in range(40)))
+    import datasets
+    datasets.Dataset.from_list([{"question": "q"}] * 3).to_parquet(str(tmp / "noprompt.parquet"))
 
 
 def _gpurl(args: list[str], tmp: Path, name: str) -> subprocess.Popen:
@@ -57,9 +80,7 @@ def _gpurl(args: list[str], tmp: Path, name: str) -> subprocess.Popen:
 
 @pytest.mark.e2e
 def test_every_early_error_is_one_sentence_and_exit_status_2(tmp_path: Path) -> None:
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": \n')
-    import datasets
-    datasets.Dataset.from_list([{"question": "q"}] * 3).to_parquet(str(tmp_path / "noprompt.parquet"))
+    write_inputs(tmp_path)
     done = _gpurl(["algo=sft", "train.steps=1", "train.checkpoint_every=1",
                    f"run.dir={tmp_path}/done"], tmp_path, "done")
     assert done.communicate(timeout=600) and done.returncode == 0, "the checkpointed run failed"

@@ -79,7 +79,9 @@ def test_check_runs_the_start_up_checks_and_exits(tmp_path, capsys, monkeypatch)
     code, out = _run(capsys, "check", "train", "model.dtype=float17")
     assert code == 2 and "model.dtype='float17' is not valid" in out
     code, out = _run(capsys, "check", "train", "processes=8")  # the default batch of 4 prompts
-    assert code == 2 and "multiples of the 8 batch shards" in out.strip().splitlines()[-1]
+    assert code == 2 and out.strip().splitlines()[-1].endswith(
+        "must split evenly over the 8 processes and the 8 batch shards of the trainer mesh; "
+        "set train.batch_size=8 (or change mesh.data/mesh.fsdp/mesh.expert).")
     code, out = _run(capsys, "check", "train", "processes=8", "train.batch_size=8")
     assert code == 0 and "check passed" in out and "8 prompts x 8 over 8 process(es)" in out
     code, out = _run(capsys, "check", "train", "data=gsm8k", "data.path=missing.jsonl")
@@ -87,7 +89,7 @@ def test_check_runs_the_start_up_checks_and_exits(tmp_path, capsys, monkeypatch)
         "data.path=missing.jsonl does not exist; point it at an existing path.")
     code, out = _run(capsys, "check", "train", "algo=sft", "model=tiny", "processes=2",
                      "train.batch_size=3", "train.eval_batch_size=4")
-    assert code == 2 and "micro-batch (3 rows)" in out and "2 batch shards" in out
+    assert code == 2 and "train.batch_size=3 rows" in out and "set train.batch_size=4" in out
     code, out = _run(capsys, "check", "generate", "env=tools", "env.tools=[no_such_pkg.m:f]")
     assert code == 2 and "could not be imported" in out
     code, out = _run(capsys, "check", "eval", f"checkpoint={tmp_path}")
@@ -96,3 +98,121 @@ def test_check_runs_the_start_up_checks_and_exits(tmp_path, capsys, monkeypatch)
                      "devices=4", "mesh.rollout_devices=4", "train.batch_size=4",
                      "train.eval_batch_size=4")
     assert code == 0 and "4 rollout and 4 trainer devices" in out
+
+
+def _fake_run(path, *overrides: str) -> None:
+    """A run directory as a start leaves it (config.yaml, a checkpoint step), for `check`."""
+    (path / "checkpoints" / "1").mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(to_dict(validate(list(overrides))),
+                                                     sort_keys=False))
+
+
+def test_check_refuses_every_start_up_refusal_of_the_bad_input_tests(tmp_path, capsys, monkeypatch):
+    """Each case of tests/test_early_exits.py that a start refuses before its first step
+    (that test runs the real starts) is refused by `gpurl check train` with the same
+    sentence: the two run one code path (`gpurl.train.preflight`)."""
+    from test_early_exits import AFTER_START, CASES, TINY, write_inputs
+
+    monkeypatch.chdir(tmp_path)
+    write_inputs(tmp_path)
+    _fake_run(tmp_path / "done", "algo=sft", *TINY)
+    missed = []
+    for name, (args, fragment) in CASES.items():
+        if name in AFTER_START:
+            continue
+        args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+        if not any(a.startswith("run.dir=") for a in args):
+            args.append(f"run.dir={tmp_path}/{name.replace(' ', '_')}")
+        code, out = _run(capsys, "check", "train", *TINY, *args, "devices=1")  # as the starts
+        last = out.strip().splitlines()[-1]
+        if code != 2 or fragment not in last or not last.startswith("gpurl: error: "):
+            missed.append(f"{name}: exit {code}, {last!r}")
+    assert not missed, "\n".join(missed)
+
+
+def test_check_counts_the_launchers_processes_and_refuses_what_plan_refuses(capsys):
+    code, out = _run(capsys, "check", "train", "hydra/launcher=slurm",
+                     "hydra.launcher.tasks_per_node=8")
+    assert code == 2 and "over the 8 processes" in out.strip().splitlines()[-1], out
+    code, out = _run(capsys, "check", "train", "hydra/launcher=slurm", "hydra.launcher.nodes=2",
+                     "hydra.launcher.tasks_per_node=4", "train.batch_size=8")
+    assert code == 0 and "job: 8 process(es) x 1 device(s)" in out, out
+    code, out = _run(capsys, "check", "plan", "plan.target=h800")
+    assert code == 2 and out.strip().endswith(
+        "plan.target=h800 is not a GPU gpurl can compile for; use one of h100, h200, a100, v100.")
+
+
+@pytest.mark.parametrize("devices,algo,works", [
+    (3, "grpo", 6), (6, "grpo", 6), (8, "grpo", 8), (12, "grpo", 12),
+    (3, "sft", 18), (6, "sft", 18), (12, "sft", 24)])
+def test_a_batch_that_does_not_fit_the_devices_names_a_value_that_does(devices, algo, works, capsys):
+    """The default batch on N devices: one sentence naming train.batch_size with a value
+    that `gpurl check` then passes; the eval batch is rounded up to the batch shards by
+    itself (an eval batch is a forward pass's width, not part of the figures)."""
+    base = ["check", "train", f"algo={algo}", "model=tiny", f"devices={devices}"]
+    code, out = _run(capsys, *base)
+    last = out.strip().splitlines()[-1]
+    assert code == 2 and last.endswith(f"set train.batch_size={works} (or change "
+                                       f"mesh.data/mesh.fsdp/mesh.expert)."), last
+    code, out = _run(capsys, *base, f"train.batch_size={works}")
+    eval_batch = validate([f"algo={algo}"]).train.eval_batch_size
+    rounded = -(-eval_batch // devices) * devices
+    assert code == 0 and f"eval batch {rounded}" in out, out
+
+
+def test_messages_that_lead_somewhere(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    code, out = _run(capsys, "check", "train", "model.checkpoint=runs/grpo")  # a mistyped path
+    assert code == 2 and "runs/ holds no grpo" in out and "spelling" in out, out
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "model").mkdir()
+    code, out = _run(capsys, "check", "train", "algo=kd", "model=tiny", "algo.teacher=org/model")
+    assert "algo.teacher: org/model (local, not the Hub id)" in out, out
+    _fake_run(tmp_path / "run", *["model=tiny"])
+    code, out = _run(capsys, "check", "train", f"model.checkpoint={tmp_path}/run")
+    assert code == 2 and out.strip().endswith(
+        f"model.checkpoint={tmp_path}/run is a gpurl run directory, not HF weights; export it "
+        f"with `gpurl export checkpoint={tmp_path}/run out=DIR` and point model.checkpoint at "
+        f"DIR, or continue the run itself with run.dir={tmp_path}/run.")
+
+
+@pytest.mark.e2e
+def test_the_advised_batches_start_on_3_6_8_and_12_devices(tmp_path):
+    """The value the sentence names (docs/distributed.md: 8 on 8 GPUs, 6 on 3 or 6, 12 on
+    12) starts a real run on that many host devices and trains a step; all four at once."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import xla_flags
+
+    runs = {}
+    for devices, batch in ((3, 6), (6, 6), (8, 8), (12, 12)):
+        args = ["train", "algo=grpo", "model=tiny", f"train.batch_size={batch}", "train.steps=1",
+                "data.num_eval=0", "train.save_final=false", "train.checkpoint_every=0",
+                "logger.progress=false", f"run.dir={tmp_path}/d{devices}"]
+        runs[devices] = subprocess.Popen(
+            [sys.executable, "-m", "gpurl.cli", *args], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env={**os.environ, "XLA_FLAGS": xla_flags(devices)})
+    for devices, run in runs.items():
+        out = run.communicate(timeout=900)[0]
+        assert run.returncode == 0 and (tmp_path / f"d{devices}" / "summary.json").exists(), \
+            f"{devices} devices: {out[-2000:]}"
+
+
+def test_more_messages_that_lead_somewhere(capsys):
+    code, out = _run(capsys, "check", "train", "mesh.placement=split", "devices=1")
+    assert code == 2 and out.strip().endswith(
+        "mesh.placement=split samples and trains on devices of their own, and this job has 1 "
+        "device; use mesh.placement=colocated.")
+    code, out = _run(capsys, "check", "train", "mesh.context=-1")  # mesh.data is -1 by default
+    assert code == 2 and "set mesh.data=1 to let mesh.context fill them" in out, out
+    code, out = _run(capsys, "check", "train", "rollout.ignore_eos=true")
+    assert code == 0 and "warning: rollout.ignore_eos=true" in out, out
+    code, out = _run(capsys, "check", "train", "train.suites=[gsm8k]")  # offline, not cached
+    last = out.strip().splitlines()[-1]
+    assert code == 2 and "hf download openai/gsm8k --repo-type dataset" in last, last
+    assert "suite_path" not in last  # which train does not take
+    code, out = _run(capsys, "check", "eval", "model=tiny", "suite=gsm8k")
+    assert code == 2 and "suite_path" in out.strip().splitlines()[-1]  # which eval takes

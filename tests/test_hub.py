@@ -135,7 +135,8 @@ def test_hub_ids_resolve_offline_from_the_cache(repos, hf_home: Path, capsys) ->
 
     # `gpurl check` reads the cache and fetches nothing
     main(["check", "train", "model=tiny", "model.init=checkpoint",
-          "model.checkpoint=acme/tiny@v1", "data=hf", "data.dataset=acme/sums", "data.subset=main"])
+          "model.checkpoint=acme/tiny@v1", "data=hf", "data.dataset=acme/sums", "data.subset=main",
+          "data.prompt_key=question", "data.num_eval=1"])  # (rows read as a start reads them)
     out = "".join(capsys.readouterr())
     assert "check passed" in out and f"weights acme/tiny@v1 (Hub id, cached: {hf_home}" in out
     assert "data.dataset: acme/sums (Hub id, cached" in out
@@ -251,3 +252,32 @@ def test_two_processes_one_download_both_load(repos, tmp_path: Path) -> None:
     assert len(revision_calls) == 2, server.requests
     fetched = [e for _, e in outs if "fetching from the Hugging Face Hub" in e]
     assert len(fetched) == 1
+
+
+@pytest.mark.slow  # a tiny export, a loopback Hub and `hf download` (docs/offline.md)
+def test_the_offline_recipe_fills_a_cache_that_an_offline_check_reads(repos, tmp_path: Path,
+                                                                      capsys) -> None:
+    """docs/offline.md, step 1 (`hf download` of the model and the dataset on a machine that
+    reaches the Hub, here 127.0.0.1) then step 2 (`gpurl check` with HF_HUB_OFFLINE=1 on the
+    filled cache): every Hub id reads as cached, and the rows are read."""
+    cache = tmp_path / "shared"
+    with HubServer(repos) as server:
+        env = {**os.environ, "HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0",
+               "HF_HOME": str(cache)}
+        hf = Path(sys.executable).parent / "hf"
+        for args in (["acme/tiny", "--include", "*.json", "--include", "*.safetensors"],
+                     ["acme/sums", "--repo-type", "dataset"]):
+            done = subprocess.run([str(hf), "download", *args], env=env, capture_output=True,
+                                  text=True, timeout=300)
+            assert done.returncode == 0, done.stderr
+    assert server.downloads("optimizer.pt") == 0  # --include keeps it out
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HOME", str(cache))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        hub._snapshot.cache_clear()
+        main(["check", "train", "model=tiny", "model.init=checkpoint", "model.checkpoint=acme/tiny",
+              "data=hf", "data.dataset=acme/sums", "data.subset=main", "data.num_eval=1",
+              "data.prompt_key=question"])
+    out = "".join(capsys.readouterr())
+    assert f"weights acme/tiny (Hub id, cached: {cache}" in out, out
+    assert "data.dataset: acme/sums (Hub id, cached" in out and "data: 3 training rows, 1 held out" in out

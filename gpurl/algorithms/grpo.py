@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from gpurl.algorithms.behaviour import needs_old_logprobs, off_policy_terms, ratio_uses_old
 from gpurl.algorithms.forward import group_logprobs

@@ -25,7 +25,7 @@ from gpurl.cli.compose import (APPS, App, app_help, config_dir, inherit_run_task
                                quote_free_text, register_schemas, to_config, upgrade_overrides,
                                validate)
 from gpurl.cli.sweep import SWEEP_JOB_FILE, sweep_summary_callback, write_sweep_summary
-from gpurl.commands.check import check, job_shape
+from gpurl.commands.check import check, job_shape, launched_processes
 from gpurl.commands.evaluate import evaluate
 from gpurl.commands.export import export_run
 from gpurl.commands.generate import generate
@@ -197,7 +197,8 @@ def _check(args: list[str]) -> None:
             overrides.append(arg)
     try:
         cfg = validate(upgrade_overrides(overrides), APPS[command])
-        processes, devices = job_shape(cfg.distributed, shape.get("processes"),
+        launched = launched_processes(overrides, config_dir())  # hydra/launcher=slurm's job
+        processes, devices = job_shape(cfg.distributed, shape.get("processes", launched),
                                        shape.get("devices"),
                                        cfg.plan.devices if command == "plan" else 0)
         lines = check(command, cfg, processes, devices)
@@ -205,8 +206,9 @@ def _check(args: list[str]) -> None:
         _fail(str(e))
     for line in lines:
         print(f"[gpurl] check: {line}")
-    print(f"[gpurl] check passed: gpurl {command} would start with this command line "
-          f"(memory: gpurl plan).", flush=True)
+    memory = " (memory: gpurl plan)" if command in ("train", "plan") else ""  # plan plans training
+    print(f"[gpurl] check passed: gpurl {command} would start with this command line{memory}.",
+          flush=True)
 
 
 def _check_launcher(args: list[str]) -> None:

@@ -27,6 +27,7 @@ from gpurl.serve.agents import AgentRunner
 from gpurl.rollout.prompts import encode_prompts, prompt_tools
 from gpurl.rollout.requests import prompt_width
 from gpurl.train.checkpoint import Checkpointer
+from gpurl.train.preflight import eval_checks
 from gpurl.train.restore import restore_run
 
 
@@ -35,6 +36,7 @@ def evaluate(cfg: EvalConfig, from_run: Sequence[str] = ()) -> dict[str, float]:
     (`gpurl.cli.compose.inherit_run_task`); the first line says where each came from.
     With `cfg.suite`, the standard suites instead (`eval_suites`)."""
     runtime.initialize(cfg.distributed)
+    eval_checks(cfg, *runtime.job_shape())  # what `gpurl check eval` runs, first
     # the suites' rows before any weights are read: a missing dataset stops at once
     rows = load_rows(cfg.suite, cfg.suite_path, cfg.limit) if cfg.suite else None
     step = None

@@ -21,6 +21,7 @@ from gpurl.rollout.decode import stop_token_ids, truncate
 from gpurl.rollout.multiturn import EnvFactory, Episodes
 from gpurl.rollout.prompts import encode_prompt, prompt_tools
 from gpurl.rollout.engine import Engine
+from gpurl.train.preflight import generate_checks
 from gpurl.train.restore import restore_run
 
 
@@ -74,6 +75,7 @@ def _model(cfg: GenerateConfig, sampler_for) -> tuple[ModelConfig, Engine, Param
 
 def generate(cfg: GenerateConfig) -> dict[int, tuple[str, int, float]]:
     runtime.initialize(cfg.distributed)
+    generate_checks(cfg, *runtime.job_shape())  # what `gpurl check generate` runs, first
     tokenizers: dict[str, Tokenizer] = {}
 
     def sampler_for(model_cfg: ModelConfig) -> Engine:

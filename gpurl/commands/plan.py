@@ -30,6 +30,7 @@ from gpurl.models.loading import PACKAGED
 from gpurl.models.transformer import remat_policy
 from gpurl.plan import efficiency, targets
 from gpurl.train.loop import build
+from gpurl.train.preflight import train_checks
 from gpurl.plan.memory import GIB, ProgramPlan, advice
 from gpurl.train.fitting import fitted
 from gpurl.train.stepper import Setup, Stepper
@@ -76,6 +77,18 @@ def planned_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=model)
 
 
+def plan_checks(cfg: Config, processes: int) -> list[str]:
+    """The checks of a `gpurl plan` start before its run's own (`gpurl check plan` too): a
+    known plan.target, planned in one process."""
+    if not cfg.plan.target:
+        return []
+    gpu = targets.gpu(cfg.plan.target)
+    if processes > 1:
+        raise ConfigError("plan.target compiles for GPUs this machine does not have, in one "
+                          "process; run `gpurl plan` without srun or distributed.* keys.")
+    return [f"plan.target: {gpu.description}, compile-only"]
+
+
 @contextlib.contextmanager
 def compiled_for(cfg: Config) -> Iterator[None]:
     """With plan.target: meshes of compile-only GPUs of that kind, traced with a GPU's
@@ -84,9 +97,6 @@ def compiled_for(cfg: Config) -> Iterator[None]:
         yield
         return
     gpu = targets.gpu(cfg.plan.target)
-    if runtime.process_count() > 1:
-        raise ConfigError("plan.target compiles for GPUs this machine does not have, in one "
-                          "process; run `gpurl plan` without srun or distributed.* keys.")
     with targets.compile_only(gpu, cfg.plan.devices or 1), platform.target("gpu", gpu.capability):
         yield
 
@@ -110,6 +120,10 @@ def plan(cfg: Config) -> list[ProgramPlan]:
     """Prints one table per program of the run `cfg` describes; returns the plans."""
     start_backend(cfg.plan)
     runtime.initialize(cfg.distributed)
+    processes, devices = runtime.job_shape()
+    plan_checks(cfg, processes)  # the devices planned on: plan.devices (compile-only GPUs: 1)
+    train_checks(planned_config(cfg), processes,
+                 cfg.plan.devices or (1 if cfg.plan.target else devices), planning=True)
     t0 = time.perf_counter()
     cfg, setup, plans, bound = plan_programs(cfg)
     total_s = time.perf_counter() - t0

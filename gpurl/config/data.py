@@ -29,7 +29,7 @@ class DataConfig:
     answer_key: Optional[str] = None  # column of the ground truth (rewards' `answer`; dots reach nested columns); null = answer, else verl's reward_model.ground_truth
     chosen_key: str = "chosen"  # preference pairs: column of the preferred completion
     rejected_key: str = "rejected"  # preference pairs: column of the other completion
-    max_len: int = 64  # tokens per row; longer examples are truncated (counted in the log)
+    max_len: int = 64  # tokens per row: longer RL prompts and preference pairs are skipped, longer SFT examples truncated (each counted in the start-up line)
     packing: bool = False  # pack several examples into one row (attention stays per example)
     chat_template: bool = False  # render prompt/completion through the tokenizer's chat template
     num_train: int = 2000  # generated tasks: training examples

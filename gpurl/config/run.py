@@ -84,7 +84,7 @@ class TrainConfig:
     micro_batch_size: int = 0  # examples per gradient-accumulation micro-batch; 0 = batch_size
     seed: int = 0  # seed of the init, the data order and sampling
     eval_every: int = 100  # evaluate every N steps (and at the end); 0 = only at the end
-    eval_batch_size: int = 64  # rows per eval forward pass
+    eval_batch_size: int = 64  # rows per eval forward pass (RL presets: 128), rounded up to a multiple of the batch shards and processes
     checkpoint_every: int = 100  # save a checkpoint every N steps (and at the end); 0 = only at the end
     save_final: bool = True  # save a checkpoint after the last step; false with checkpoint_every=0: none at all (benchmarks, throwaway sweeps)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
@@ -252,9 +252,15 @@ class MeshConfig:
             raise ConfigError(f"mesh.context={self.context} is not valid; use auto, -1 to fill, "
                               f"or a power of two up to 32 (packed rows, 64 slots or more, "
                               f"split into 2 x mesh.context equal chunks).")
-        if [self.data, self.fsdp, width, self.expert, self.tp].count(-1) > 1:
-            raise ConfigError("Only one of mesh.data, mesh.fsdp, mesh.context, mesh.expert, mesh.tp "
-                              "may be -1; set the others.")
+        filling = [f"mesh.{k}" for k, v in zip(("data", "fsdp", "context", "expert", "tp"),
+                                               (self.data, self.fsdp, width, self.expert, self.tp))
+                   if v == -1]
+        if len(filling) > 1:  # mesh.data is -1 by default: the one the user did not set
+            keep = next((k for k in filling if k != "mesh.data"), filling[0])
+            raise ConfigError(f"{' and '.join(filling)} are {'both' if len(filling) == 2 else 'all'} "
+                              f"-1 (fill the devices), and only one may be; set "
+                              f"{' '.join(f'{k}=1' for k in filling if k != keep)} to let {keep} "
+                              f"fill them, or give each a size.")
         if str(self.rollout_tp) != "auto" and not (str(self.rollout_tp).isdigit()
                                                    and int(self.rollout_tp) > 0):
             raise ConfigError(f"mesh.rollout_tp={self.rollout_tp} is not valid; use a positive "

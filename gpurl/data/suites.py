@@ -176,6 +176,12 @@ def local_copy(suite: Suite) -> str:
     return f"set suite_path to a local copy of its {suite.split} split"
 
 
+def cache_step(suite: Suite) -> str:
+    """The alternative for train.suites (which reads the cache only): filling it."""
+    return (f"fill the cache on a machine with internet (`hf download {suite.dataset} "
+            f"--repo-type dataset`, docs/offline.md) and copy it to this one")
+
+
 def get(name: str) -> Suite:
     """The suite `name`, or one sentence naming the valid ones."""
     return lookup(SUITES, name, "suite")

@@ -93,6 +93,9 @@ def rollout_per_process(cfg: MeshConfig, local_counts: Sequence[int]) -> int:
     """Split placement: how many of each process's devices (`local_counts`) sample; the
     rest train."""
     count, total = len(local_counts), sum(local_counts)
+    if total < 2:
+        raise ConfigError(f"mesh.placement=split samples and trains on devices of their own, "
+                          f"and this job has {total} device; use mesh.placement=colocated.")
     if not 0 < cfg.rollout_devices < total or cfg.rollout_devices % count:
         raise ConfigError(
             f"mesh.placement=split needs mesh.rollout_devices between 1 and {total - 1} and a "

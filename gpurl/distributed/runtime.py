@@ -20,6 +20,11 @@ _initialized = False
 
 def wants_multiprocess(cfg: DistributedConfig) -> bool:
     """Explicit `distributed.*` keys, or a Slurm job step (`srun`) of several tasks."""
+    if (cfg.num_processes or 1) > 1 and cfg.coordinator is None and not _cluster():
+        raise ConfigError(
+            f"distributed.num_processes={cfg.num_processes} outside Slurm needs "
+            f"distributed.coordinator=HOST:PORT (process 0's address) and "
+            f"distributed.process_id on every process; set both, or start the job with srun.")
     if cfg.coordinator is not None or (cfg.num_processes or 1) > 1:
         return True
     if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
@@ -31,6 +36,21 @@ def wants_multiprocess(cfg: DistributedConfig) -> bool:
             f"this is a Slurm allocation of {os.environ['SLURM_NTASKS']} tasks but gpurl was "
             f"not started by srun; launch it as `srun gpurl train ...` (one task per GPU).")
     return False
+
+
+# Environments in which jax.distributed finds the coordinator by itself (its cluster
+# detection): Slurm, Open MPI, Kubernetes.
+_CLUSTER_VARIABLES = ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE",
+                      "KUBERNETES_SERVICE_HOST")
+
+
+def _cluster() -> bool:
+    return any(name in os.environ for name in _CLUSTER_VARIABLES)
+
+
+def job_shape() -> tuple[int, int]:
+    """(processes, devices of this process) of the job this process is in."""
+    return jax.process_count(), jax.local_device_count()
 
 
 def initialize(cfg: DistributedConfig) -> None:

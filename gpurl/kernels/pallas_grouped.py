@@ -39,6 +39,16 @@ from gpurl.config import ConfigError
 SMALLEST = 16  # Triton's dot: every block dimension at least this
 
 
+class OffsetLimitError(ConfigError):
+    """A call the kernel's 32-bit offsets cannot address. `scale`: the factor its token
+    copies must shrink by to fit (None: the expert weights alone are too large), which an
+    automatic micro-batch budget applies (`gpurl.train.fitting`)."""
+
+    def __init__(self, message: str, scale: float | None):
+        super().__init__(message)
+        self.scale = scale
+
+
 class Static(NamedTuple):
     """Compile-time settings of one call (hashable for custom_vjp)."""
 
@@ -178,11 +188,13 @@ def tiled_matmul(x_pad: jax.Array, w_OxDxF: jax.Array, layout, balanced_rows: in
     if layout.tile % SMALLEST:
         raise ValueError(f"the Pallas grouped matmul needs tiles of a multiple of {SMALLEST} rows, "
                          f"not {layout.tile}")
-    if max(x_pad.shape[0] * (d + SMALLEST), g * (d + SMALLEST) * (f + SMALLEST)) >= 2**31:
-        raise ConfigError(
+    weights = g * (d + SMALLEST) * (f + SMALLEST)
+    if max(x_pad.shape[0] * (d + SMALLEST), weights) >= 2**31:
+        raise OffsetLimitError(
             f"the Pallas grouped matmul addresses its operands with 32-bit offsets, and "
             f"{x_pad.shape[0]:,} token copies x {d} or {g} experts x {d} x {f} do not fit them; "
-            f"use smaller micro-batches (train.micro_batch_tokens) or model.moe.grouped_matmul=ragged.")
+            f"use smaller micro-batches (train.micro_batch_tokens) or model.moe.grouped_matmul=ragged.",
+            None if weights >= 2**31 else (2**31 - 1) // (d + SMALLEST) / x_pad.shape[0])
     st = Static(layout.tile, g, int(balanced_rows if balanced_rows is not None else x_pad.shape[0]),
                 interpret)
     x = _pad_to(x_pad, 1)

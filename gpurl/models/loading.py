@@ -10,7 +10,6 @@ from the PyPI package. No weights anywhere: random init from the preset.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +57,11 @@ def checkpoint_path(cfg: ModelConfig, weights: bool = True) -> str | None:
         raise ConfigError(
             f"{named[1]}={named[0]} does not exist; point it to a Hub id (org/name), an HF "
             f"safetensors directory or a .gguf file.")
+    if path.is_dir() and (path / "config.yaml").is_file() and not (path / "config.json").exists():
+        raise ConfigError(
+            f"{named[1]}={named[0]} is a gpurl run directory, not HF weights; export it with "
+            f"`gpurl export checkpoint={named[0]} out=DIR` and point {named[1]} at DIR, or "
+            f"continue the run itself with run.dir={named[0]}.")
     if path.is_file() and path.suffix != ".gguf":
         raise ConfigError(
             f"{named[1]}={named[0]} is a file but not a .gguf; point it to a .gguf file or to "

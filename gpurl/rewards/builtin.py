@@ -87,10 +87,14 @@ def math_verify(prompts: Sequence[str], completions: Sequence[str], answer: Sequ
 def _math_verify_api() -> tuple[Callable, Callable]:
     """math-verify's (parse, verify), imported on first use: it loads sympy (about 0.5 s)."""
     try:
-        from math_verify import parse, verify
+        from math_verify import grader, parse, parser, verify
     except ImportError:
         raise ImportError("the math_verify reward needs the math-verify package; install it "
                           "with `pip install math-verify`.") from None
+    # Its timeouts are off on purpose (`_parse`); gpurl bounds the work itself
+    # (rewards.timeout_s, `_log10_bound`), so its two warnings that they are off (one from
+    # parsing, one from comparing, each printed once per process) say nothing to a user.
+    parser.TIMEOUT_WARNING_SHOWN = grader.TIMEOUT_WARNING_SHOWN = True
     return parse, verify
 
 

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from gpurl.config import ConfigError, RolloutConfig
+from gpurl.config import RolloutConfig
 from gpurl.distributed import host, runtime
 from gpurl.rollout.collect import Choice, Collected, Collector
 from gpurl.rollout.prompts import Prompts
@@ -107,10 +107,6 @@ class Continuous:
 
     def __init__(self, collector: Collector, weights: PolicyWeights, prompts: Prompts,
                  cfg: RolloutConfig, group: int, batch_size: int, seed: int):
-        if weights.colocated:
-            raise ConfigError("rollout.mode=continuous needs mesh.placement=split (rollouts "
-                              "and training on their own devices); colocated runs are sync "
-                              "or one step ahead (rollout.mode=one_ahead).")
         self.rounds, self.collector, self.prompts, self.cfg = collector.source, collector, prompts, cfg
         self.weights, self.group, self.seed = weights, group, seed
         self.batches_in_flight = cfg.in_flight  # the stream's pool holds these at once

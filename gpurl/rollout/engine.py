@@ -210,8 +210,10 @@ class Stream:
             self.pool = (zeros(), zeros())
         elif self.pool[0].shape[2] < blocks:
             extra = blocks - self.pool[0].shape[2]
+            # (not donated: a larger pool cannot live in the old one's buffer, and JAX
+            # warns of every donation it cannot use)
             pad = jax.jit(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra)) + ((0, 0),) * 3),
-                          out_shardings=engine.pool_sharding, donate_argnums=0)
+                          out_shardings=engine.pool_sharding)
             self.pool = tuple(pad(x) for x in self.pool)
         return self.pool[0].shape[2]
 

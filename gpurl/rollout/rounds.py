@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import jax
 import jax.numpy as jnp

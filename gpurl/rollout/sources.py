@@ -137,12 +137,21 @@ def check_agents(cfg: RolloutConfig, env: EnvConfig) -> None:
                           "trajectories in flight across weight swaps, which agents do not yet).")
 
 
+def check_mode(cfg: RolloutConfig, placement: str) -> None:
+    """Continuous rollouts need their own devices (mesh.placement=split)."""
+    if RolloutMode(cfg.mode) is RolloutMode.CONTINUOUS and placement != "split":
+        raise ConfigError("rollout.mode=continuous needs mesh.placement=split (rollouts "
+                          "and training on their own devices); colocated runs are sync "
+                          "or one step ahead (rollout.mode=one_ahead).")
+
+
 def batch_source(cfg: RolloutConfig, collector: Collector, weights: PolicyWeights,
                  prompts: Prompts, *, group: int, batch_size: int, seed: int,
                  steps: int) -> BatchSource:
     """The source of `rollout.mode`. Colocated, one_ahead has nothing to overlap with
     (rollouts and training share the devices) and runs synchronously, saying so;
-    continuous refuses colocated placement (`Continuous`)."""
+    continuous refuses colocated placement (`check_mode`)."""
+    check_mode(cfg, "colocated" if weights.colocated else "split")
     mode = RolloutMode(cfg.mode)
     if mode is RolloutMode.CONTINUOUS:
         return Continuous(collector, weights, prompts, cfg, group, batch_size, seed)

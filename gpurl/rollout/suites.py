@@ -22,15 +22,18 @@ from gpurl.rollout.rounds import Rounds
 _ANY_LENGTH = 2 ** 31
 
 
-def load_rows(names: Any, path: str | None = None, limit: int = 0) -> dict[str, list[dict]]:
+def load_rows(names: Any, path: str | None = None, limit: int = 0,
+              offer_path: bool = True) -> dict[str, list[dict]]:
     """{suite: its gpurl rows} (`path`: a local copy of the one suite's split), read before
     any weights are loaded so that a missing dataset stops a command at once. Every process
-    reads the commit of each suite's dataset that process 0 resolves (`agreed_pin`)."""
+    reads the commit of each suite's dataset that process 0 resolves (`agreed_pin`).
+    `offer_path`: errors offer suite_path (gpurl eval), else filling the cache (train.suites)."""
     rows = {}
     for name in names:
         suite = suites.get(name)
+        local = suites.local_copy(suite) if offer_path else suites.cache_step(suite)
         dataset = None if path else agreed_pin(suite.dataset, f"suite={name}'s dataset",
-                                               "dataset", suites.local_copy(suite))
+                                               "dataset", local)
         rows[name] = suites.load(suite, path, limit, dataset)
     return rows
 

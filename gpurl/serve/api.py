@@ -215,11 +215,10 @@ async def run_call(gw: Gateway, call: Call, on_tokens: Callable[[int, list[int]]
     def done(completions: list[Completion]) -> None:
         loop.call_soon_threadsafe(lambda: future.done() or future.set_result(completions))
 
-    progress = None
-    if on_tokens is not None:
-        def progress(choice: int, tokens: list[int], _: list[float]) -> None:
-            loop.call_soon_threadsafe(on_tokens, choice, tokens)
-    gw.driver.submit(call.requests, done, progress)
+    def progress(choice: int, tokens: list[int], _: list[float]) -> None:
+        loop.call_soon_threadsafe(on_tokens, choice, tokens)
+
+    gw.driver.submit(call.requests, done, progress if on_tokens is not None else None)
     return await future
 
 

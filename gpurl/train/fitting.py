@@ -20,6 +20,7 @@ import jax
 from gpurl.config import Config
 from gpurl.distributed import layout, runtime
 from gpurl.distributed.mesh import abstract, batch_divisor, shard_bytes, sharded
+from gpurl.kernels.pallas_grouped import OffsetLimitError
 from gpurl.plan.memory import (GIB, ProgramPlan, device_memory, kv_cap, memory_of, on_gpu,
                                plan_rollout, splits_rows)
 from gpurl.plan.programs import Kind, RolloutRound
@@ -94,6 +95,8 @@ def fitted(cfg: Config, build: Callable[[Config], Built],
         built = build(dataclasses.replace(cfg, mesh=mesh))
         prepare(built[2])
         train = _train_plan(*built)
+    if auto and not tried and splits_rows(cfg):
+        train.chosen.insert(0, "mesh.context=auto -> 1 (the train step fits without splitting rows)")
     if tried:
         mesh = built[0].mesh
         train.chosen.insert(0, (
@@ -112,12 +115,35 @@ def _train_plan(cfg: Config, setup: Setup, stepper: Stepper) -> ProgramPlan:
         return plan_train_step(setup.step_fn, setup.place, stepper.batch_spec(), cfg.optim.freeze,
                                stepper.resident_bytes(), limit, setup.teacher)
 
-    train = train_plan()
+    auto = cfg.train.packed and hasattr(stepper, "budget") and cfg.train.micro_batch_tokens == 0
+    train = _within_kernel_limits(stepper, train_plan) if auto else train_plan()
     if cfg.train.packed and hasattr(stepper, "budget"):
         if cfg.train.micro_batch_tokens == 0:
             train = _fit_budget(stepper, train, train_plan)
         train.micro_rows = stepper.batch_spec()["pack/tokens"].shape[0] // stepper.shards
     return train
+
+
+def _within_kernel_limits(stepper: Stepper, train_plan: Callable[[], ProgramPlan]) -> ProgramPlan:
+    """train.micro_batch_tokens=0 (auto): the train step's plan at the padded micro-batch's
+    budget, or, when a kernel cannot address a call that large (`OffsetLimitError`: the
+    Pallas grouped matmul's 32-bit offsets), at a budget shrunk by the factor it names
+    (at least one row), said in the plan's `chosen`."""
+    first = stepper.budget
+    for _ in range(4):
+        try:
+            plan = train_plan()
+        except OffsetLimitError as e:
+            if e.scale is None or stepper.budget == 1:
+                raise
+            stepper.budget = max(min(int(stepper.budget * e.scale * 0.95), stepper.budget - 1), 1)
+            continue
+        if stepper.budget != first:
+            plan.chosen.append(f"train.micro_batch_tokens=0 (auto) -> {stepper.budget:,} tokens per "
+                               f"micro-batch and device (the padded micro-batch's {first:,} "
+                               f"exceeded the Pallas grouped matmul's 32-bit offsets)")
+        return plan
+    return train_plan()
 
 
 def _limit(cfg: Config, setup: Setup) -> tuple[float, str]:

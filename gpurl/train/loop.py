@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import resource
 import signal
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import jax
 import yaml
@@ -27,10 +26,8 @@ import yaml
 from gpurl import hub
 from gpurl.algorithms import registry
 from gpurl.algorithms.registry import Family
-from gpurl.data import suites
-from gpurl.rollout.sources import check_agents
 from gpurl.rollout.suites import SuiteEvaluation, load_rows
-from gpurl.config import Config, ConfigError, ModelConfig
+from gpurl.config import Config, ModelConfig
 from gpurl.config.dicts import to_dict, upgrade
 from gpurl.distributed import host, runtime
 from gpurl.distributed.mesh import batch_divisor, trainer_mesh
@@ -46,6 +43,8 @@ from gpurl.train.plots import write_curves
 from gpurl.train.preference import PreferenceStepper
 from gpurl.train.rl import RLStepper
 from gpurl.train.sft import SFTStepper
+from gpurl.train.preflight import (check_context, check_experts, eval_batch, fit_batch,
+                                   train_checks)
 from gpurl.train.step import (NonFiniteError, Placement, checkpointed, complete, make_init,
                               make_train_step, placement, scaling_for)
 from gpurl.train.stepper import Setup, Stepper
@@ -74,35 +73,6 @@ class _Stop:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-def check_batch(cfg: Config, divisor: int) -> None:
-    """A micro-batch and an eval batch split evenly over the trainer mesh's batch shards."""
-    micro = cfg.train.batch_size // cfg.train.num_micro_batches
-    if micro % divisor or cfg.train.eval_batch_size % divisor:
-        raise ConfigError(
-            f"the micro-batch ({micro} rows) and train.eval_batch_size "
-            f"({cfg.train.eval_batch_size}) must be multiples of the {divisor} batch shards "
-            f"of the mesh; change train.batch_size/micro_batch_size or mesh.data/mesh.fsdp/mesh.expert.")
-
-
-def check_context(cfg: Config, algorithm: registry.Algorithm) -> None:
-    """The context axis splits packed rows: RL and preference runs need train.packed
-    (SFT's rows are packed by data.packing). And train.suites: known names, sampled by an
-    RL run's rollout engine (other runs have none)."""
-    if (cfg.mesh.context_width or 1) > 1 and algorithm.family != Family.SFT and not cfg.train.packed:
-        raise ConfigError(f"mesh.context={cfg.mesh.context} splits packed rows; set "
-                          f"train.packed=true (or mesh.context=1).")
-    for name in cfg.train.suites:
-        suites.get(name)
-    if cfg.train.suites and algorithm.family != Family.RL:
-        raise ConfigError(f"train.suites samples the policy during RL runs, not during "
-                          f"algo={cfg.algo.name}'s; drop train.suites and evaluate the run "
-                          f"afterwards with `gpurl eval checkpoint=RUN suite=...`.")
-    if cfg.env.agents and algorithm.family != Family.RL:
-        raise ConfigError(f"env=agent plays RL trajectories, not algo={cfg.algo.name}'s "
-                          f"batches; choose an RL algorithm (algo=grpo) or drop env=agent.")
-    check_agents(cfg.rollout, cfg.env)
-
-
 def _pinned(cfg: Config) -> Config:
     """Every Hub id of the run (the model's, a teacher's, a reward model's, the data's)
     pinned to the commit process 0 resolves it to now (`org/name@<commit>`, the same on
@@ -128,23 +98,6 @@ def _router_defaults(model: ModelConfig, algorithm: registry.Algorithm) -> Model
         return model
     return dataclasses.replace(model, moe=dataclasses.replace(
         model.moe, aux_loss_coef=algorithm.router_aux_loss if model.moe.num_experts else 0.0))
-
-
-def check_experts(model: ModelConfig, shape: Mapping[str, int], rules: Any) -> None:
-    """Experts split evenly over the mesh axes (sizes `shape`) the `expert` rule maps them to."""
-    axes = [a for a in rules.get("expert", ()) if shape[a] > 1]
-    size = math.prod(shape[a] for a in axes)
-    if model.moe.num_experts and model.moe.num_experts % size:
-        raise ConfigError(
-            f"model.moe.num_experts={model.moe.num_experts} does not split over the "
-            f"{size} devices of mesh axes {'x'.join(axes)}; choose mesh.expert dividing "
-            f"{model.moe.num_experts}.")
-
-
-def check_target(cfg: Config) -> None:
-    if cfg.plan.target:
-        raise ConfigError(f"plan.target={cfg.plan.target} compiles for a GPU without running "
-                          f"anything, so it is for `gpurl plan`; drop it from gpurl train.")
 
 
 def _prepare_run_dir(run_dir: Path, cfg: Config, resuming: bool, sink_msg) -> None:
@@ -256,7 +209,9 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
     stepper_cls = STEPPERS[algorithm.family]
     check_context(cfg, algorithm)
     mesh = trainer_mesh(cfg.mesh, stepper_cls.trainer_devices(cfg.mesh))
-    check_batch(cfg, batch_divisor(mesh, cfg.mesh.train_rules))
+    shards = batch_divisor(mesh, cfg.mesh.train_rules)
+    fit_batch(cfg, algorithm.family, shards, runtime.process_count())
+    cfg = eval_batch(cfg, shards, runtime.process_count())  # config.yaml records the width used
     cfg = _pinned(cfg)
     model_cfg = _router_defaults(loading.resolve(cfg.model), algorithm)
     check_experts(model_cfg, mesh.shape, cfg.mesh.train_rules)
@@ -285,9 +240,10 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
 
 
 def _build(cfg: Config) -> tuple[_Session, Callable[[], Any]]:
-    check_target(cfg)
-    check_context(cfg, registry.get(cfg.algo.name))  # (train.suites: an RL run's only)
-    suite_rows = load_rows(cfg.train.suites, limit=cfg.train.suites_limit)  # before compiling
+    for line in train_checks(cfg, *runtime.job_shape()):  # what `gpurl check train` runs, first
+        if line.startswith("warning:") and runtime.is_main_process():
+            print(f"[gpurl] {line}", flush=True)
+    suite_rows = load_rows(cfg.train.suites, limit=cfg.train.suites_limit, offer_path=False)  # before compiling
     cfg, setup, stepper, plans = fitted(cfg, build, check=cfg.plan.check)
     if suite_rows:  # sampled by the run's rollout engine at evaluations
         stepper.suites = SuiteEvaluation.of(cfg.train, suite_rows, setup.tokenizer,
