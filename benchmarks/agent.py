@@ -116,6 +116,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--serve-requests", type=int, default=4, help="requests per stream")
     p.add_argument("--serve-tokens", type=int, default=32, help="tokens per request")
     p.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/vllm-venv"))
+    p.add_argument("--paths", default="environment,agent,agent, sliding window".replace(", ", "+"),
+                   help="the rollout paths to time, comma-separated (sliding window: "
+                        "'agent+sliding window')")
+    p.add_argument("--no-serve", action="store_true", help="skip the gpurl serve / vllm serve part")
     p.add_argument("--smoke", action="store_true",
                    help="tiny random model, 3 turns of a few tokens: checks the script runs")
     p.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "gpurl_agent.json"))
@@ -334,9 +338,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "agent, sliding window": EnvConfig(name="agent", agent="agent:sliding_window",
                                            agent_rows=args.turns, **common),
     }
+    chosen = [name.replace("+", ", ") for name in args.paths.split(",")]
+    paths = {name: env for name, env in paths.items() if name in chosen}
     table = measure({name: rounds(cfg, tokenizer, args, env) for name, env in paths.items()},
                     params, prompts, args, prompt_tokens, len(obs_ids))
-    served = servers(args, prompts.rows[0]["prompt"])
+    served = None if args.no_serve else servers(args, prompts.rows[0]["prompt"])
     env_tps = table[0]["tokens_per_s"]
     model = "tiny model" if args.smoke else "Gemma 3 270M fp32"
     print(f"\n{args.turns} turns of {args.turn_tokens} tokens, observations of {len(obs_ids)} "

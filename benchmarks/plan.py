@@ -36,7 +36,7 @@ import jax
 
 from gpurl.cli.compose import validate
 from gpurl.commands.plan import plan_programs, start_backend
-from gpurl.config import PlanConfig
+from gpurl.config import ConfigError, PlanConfig
 from gpurl.plan.memory import GIB
 
 # Every preset from 1B to 70B parameters, smallest first.
@@ -78,7 +78,12 @@ def run_plan(overrides: list[str], extra: list[str]) -> dict[str, Any]:
     """One `gpurl plan` in this process; `extra`: the device count and memory overrides."""
     cfg = validate(["algo=grpo", "data.num_eval=0", "logger.progress=false", *overrides, *extra])
     t0 = time.perf_counter()
-    _, _, plans, _ = plan_programs(cfg)
+    try:
+        _, _, plans, _ = plan_programs(cfg)
+    except ConfigError as e:  # refused before any program's memory (e.g. a kernel's limit)
+        return {"overrides": overrides, "plan_s": round(time.perf_counter() - t0, 2),
+                "fits": False, "refused": str(e),
+                **{k: {"total_gib": float("nan"), "chosen": []} for k in ("train step", "rollout")}}
     out: dict[str, Any] = {"overrides": overrides, "plan_s": round(time.perf_counter() - t0, 2),
                            "fits": all(p.fits for p in plans)}
     for p in plans:
@@ -105,6 +110,7 @@ def longest(preset: str, devices: int, lora: bool, lengths: Sequence[int],
         print(f"  {preset} {'lora' if lora else 'full'} N={n}: "
               + ", ".join(f"{k} {result[k]['total_gib']:.1f}" for k in ("train step", "rollout"))
               + (" GiB: fits" if result["fits"] else " GiB: does NOT fit")
+              + (f" ({result['refused']})" if "refused" in result else "")
               + "".join(f"\n    {c}" for k in ("train step", "rollout") for c in result[k]["chosen"]),
               flush=True)
         return result["fits"]

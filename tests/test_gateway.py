@@ -324,3 +324,33 @@ def test_agents_in_continuous_mode_are_refused_by_check_as_by_a_start(capsys, mo
     assert stopped.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("gpurl: error: env=agent runs each step's agents within the step")
+
+
+def test_calls_of_agents_between_calls_are_gathered_into_one_iteration():
+    """`_gather`: a queued call waits (at most the window) for the running agents that
+    have not sent their next call yet, so that a turn's calls join the engine together;
+    nothing queued, or every agent's call in, goes on at once (plain Python, no engine)."""
+    import threading
+    import time
+
+    from gpurl.serve.agents import _gather
+    from gpurl.serve.driver import Driver
+
+    driver = Driver(None)  # submit/queued/pending/wait need no engine
+    started = time.monotonic()
+    _gather(driver, 3, 5.0)  # nothing queued: no wait
+    assert time.monotonic() - started < 0.5
+    driver.submit([], lambda _: None)
+
+    def late() -> None:
+        for _ in range(2):
+            time.sleep(0.05)
+            driver.submit([], lambda _: None)
+
+    threading.Thread(target=late).start()
+    started = time.monotonic()
+    _gather(driver, 3, 5.0)  # the other two agents' calls arrive within 0.1 s
+    assert driver.queued() == 3 and time.monotonic() - started < 2.0
+    started = time.monotonic()
+    _gather(driver, 4, 0.2)  # a fourth agent is still thinking: the window ends it
+    assert 0.15 < time.monotonic() - started < 2.0

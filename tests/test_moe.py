@@ -405,3 +405,43 @@ def test_the_pallas_grouped_matmul_refuses_operands_past_32_bit_offsets():
         "the Pallas grouped matmul addresses its operands with 32-bit offsets, and 2,097,152 "
         "token copies x 1024 or 8 experts x 1024 x 64 do not fit them; use smaller "
         "micro-batches (train.micro_batch_tokens) or model.moe.grouped_matmul=ragged.")
+    assert isinstance(info.value, pallas_grouped.OffsetLimitError)
+    fitting = rows * info.value.scale  # the rows that fit: just below the limit
+    assert fitting * (d + 16) < 2**31 <= (fitting + 2) * (d + 16)
+
+
+def test_the_automatic_budget_shrinks_below_a_kernels_limit():
+    """train.micro_batch_tokens=0: a train step whose call the Pallas grouped matmul cannot
+    address is planned again at the budget the kernel's error names (issue 66: MoE at 32K
+    planned by default), said in the plan; an error no budget cures stays an error."""
+    from types import SimpleNamespace
+
+    from gpurl.kernels.pallas_grouped import OffsetLimitError
+    from gpurl.train.fitting import _within_kernel_limits
+
+    stepper = SimpleNamespace(budget=262_656)
+    seen = []
+
+    def train_plan():
+        seen.append(stepper.budget)
+        if stepper.budget * 16 * 2064 >= 2**31:  # 16 token copies of width 2048 (+16)
+            raise OffsetLimitError("too large", (2**31 - 1) // 2064 / (stepper.budget * 16))
+        return SimpleNamespace(chosen=[])
+
+    plan = _within_kernel_limits(stepper, train_plan)
+    assert seen[0] == 262_656 and len(seen) == 2 and 60_000 < stepper.budget < 65_000
+    assert plan.chosen and "262,656 exceeded the Pallas grouped matmul's 32-bit offsets" in plan.chosen[0]
+
+    def weights_too_large():
+        raise OffsetLimitError("the experts alone", None)
+
+    with pytest.raises(OffsetLimitError, match="the experts alone"):
+        _within_kernel_limits(SimpleNamespace(budget=100), weights_too_large)
+
+    def one_row_too_many():
+        raise OffsetLimitError("too large", 0.9, 1_116_160)
+
+    with pytest.raises(ConfigError, match=r"even one row per micro-batch .* \(1,116,160 of at "
+                                          r"most 1,004,544\); split each row over devices with "
+                                          r"mesh.context=2 or more, or set model.moe.grouped_matmul=ragged."):
+        _within_kernel_limits(SimpleNamespace(budget=1), one_row_too_many)

@@ -44,9 +44,9 @@ class OffsetLimitError(ConfigError):
     copies must shrink by to fit (None: the expert weights alone are too large), which an
     automatic micro-batch budget applies (`gpurl.train.fitting`)."""
 
-    def __init__(self, message: str, scale: float | None):
+    def __init__(self, message: str, scale: float | None, rows: int = 0):
         super().__init__(message)
-        self.scale = scale
+        self.scale, self.rows = scale, rows
 
 
 class Static(NamedTuple):
@@ -194,7 +194,8 @@ def tiled_matmul(x_pad: jax.Array, w_OxDxF: jax.Array, layout, balanced_rows: in
             f"the Pallas grouped matmul addresses its operands with 32-bit offsets, and "
             f"{x_pad.shape[0]:,} token copies x {d} or {g} experts x {d} x {f} do not fit them; "
             f"use smaller micro-batches (train.micro_batch_tokens) or model.moe.grouped_matmul=ragged.",
-            None if weights >= 2**31 else (2**31 - 1) // (d + SMALLEST) / x_pad.shape[0])
+            None if weights >= 2**31 else (2**31 - 1) // (d + SMALLEST) / x_pad.shape[0],
+            x_pad.shape[0])
     st = Static(layout.tile, g, int(balanced_rows if balanced_rows is not None else x_pad.shape[0]),
                 interpret)
     x = _pad_to(x_pad, 1)

@@ -86,6 +86,24 @@ def check_agent(cfg: EnvConfig) -> str:
     return cfg.agent
 
 
+# The longest an engine iteration waits for agents still between calls: a quarter of the
+# last iteration's time (a second wave of the turn's calls would cost a whole iteration and
+# a prefill of its own), at most 1 s.
+GATHER_FRACTION, GATHER_MAX_S = 0.25, 1.0
+
+
+def _gather(driver: Driver, running: int, window: float) -> None:
+    """Waits up to `window` seconds while new calls are queued and some of the `running`
+    agents have not yet sent their next one: the queued calls then join the engine with
+    theirs, in one iteration."""
+    deadline = time.monotonic() + window
+    while driver.queued() and running - driver.pending() > 0:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        driver.wait(remaining)
+
+
 class AgentRunner:
     """The agents of a run on this process: `run` plays one round's trajectories through
     the gateway and returns their rows (`Episodes.arrays`' layout plus the prompts)."""
@@ -160,16 +178,25 @@ class AgentRunner:
               f"the first: {failed[0].failure}", file=sys.stderr, flush=True)
 
     def _drive(self, params: Params, live: list[Trajectory]) -> None:
-        """The engine's loop until no process has an agent left running."""
+        """The engine's loop until no process has an agent left running. Calls that arrive
+        while other agents are still between calls (reading a reply, running a tool) are
+        gathered for a moment (`_gather`), so that a turn's calls join the engine together
+        rather than in waves that each decode alone."""
         driver = self.gateway.driver
+        last_step = 0.0
         while True:
             for t in live:
                 if t.outcome is None:
                     self._poll(t)
-            left = sum(t.outcome is None for t in live) + driver.pending()
+            running = sum(t.outcome is None for t in live)
+            left = running + driver.pending()
             if not host.any_process(left > 0):
                 return
-            if not driver.step(params) and left:
+            _gather(driver, running, min(GATHER_FRACTION * last_step, GATHER_MAX_S))
+            start = time.perf_counter()
+            busy = driver.step(params)
+            last_step = time.perf_counter() - start
+            if not busy and left:
                 driver.wait(0.002)
 
     # ------------------------------------------------------------------ agents

@@ -51,6 +51,10 @@ class Driver:
         self._inbox.put((list(requests), _Call(done, progress)))
         self._wake.set()
 
+    def queued(self) -> int:
+        """Calls submitted and not yet added to the stream."""
+        return self._inbox.qsize()
+
     def pending(self) -> int:
         """Calls submitted and not finished."""
         return self._inbox.qsize() + len(self._calls)

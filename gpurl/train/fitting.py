@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import jax
 
-from gpurl.config import Config
+from gpurl.config import Config, ConfigError
 from gpurl.distributed import layout, runtime
 from gpurl.distributed.mesh import abstract, batch_divisor, shard_bytes, sharded
 from gpurl.kernels.pallas_grouped import OffsetLimitError
@@ -96,7 +96,10 @@ def fitted(cfg: Config, build: Callable[[Config], Built],
         prepare(built[2])
         train = _train_plan(*built)
     if auto and not tried and splits_rows(cfg):
-        train.chosen.insert(0, "mesh.context=auto -> 1 (the train step fits without splitting rows)")
+        why = ("the train step fits without splitting rows" if train.fits else
+               "no devices are left to split rows over" if not wider else
+               f"splitting rows would not shrink the largest part, {train.largest()[0]}")
+        train.chosen.insert(0, f"mesh.context=auto -> 1 ({why})")
     if tried:
         mesh = built[0].mesh
         train.chosen.insert(0, (
@@ -130,12 +133,18 @@ def _within_kernel_limits(stepper: Stepper, train_plan: Callable[[], ProgramPlan
     Pallas grouped matmul's 32-bit offsets), at a budget shrunk by the factor it names
     (at least one row), said in the plan's `chosen`."""
     first = stepper.budget
-    for _ in range(4):
+    for _ in range(16):  # each try at most 0.95 of the last budget's, down to one row
         try:
             plan = train_plan()
         except OffsetLimitError as e:
-            if e.scale is None or stepper.budget == 1:
+            if e.scale is None:
                 raise
+            if stepper.budget == 1:
+                raise ConfigError(
+                    f"even one row per micro-batch and device is more token copies than the "
+                    f"Pallas grouped matmul's 32-bit offsets address ({e.rows:,} of at most "
+                    f"{int(e.rows * e.scale):,}); split each row over devices with "
+                    f"mesh.context=2 or more, or set model.moe.grouped_matmul=ragged.") from None
             stepper.budget = max(min(int(stepper.budget * e.scale * 0.95), stepper.budget - 1), 1)
             continue
         if stepper.budget != first:
