@@ -78,7 +78,10 @@ def test_check_runs_the_start_up_checks_and_exits(tmp_path, capsys, monkeypatch)
     monkeypatch.chdir(tmp_path)
     code, out = _run(capsys, "check", "train", "model.dtype=float17")
     assert code == 2 and "model.dtype='float17' is not valid" in out
-    code, out = _run(capsys, "check", "train", "processes=8")  # the default batch of 4 prompts
+    code, out = _run(capsys, "check", "train", "processes=8")  # the preset's 4 prompts: raised
+    assert code == 0 and ("train.batch_size: the preset's 4 prompts -> 8, the smallest count "
+                          "that splits evenly over the 8 processes") in out, out
+    code, out = _run(capsys, "check", "train", "processes=8", "train.batch_size=4")  # the user's
     assert code == 2 and out.strip().splitlines()[-1].endswith(
         "must split evenly over the 8 processes and the 8 batch shards of the trainer mesh; "
         "set train.batch_size=8 (or change mesh.data/mesh.fsdp/mesh.expert).")
@@ -132,7 +135,7 @@ def test_check_refuses_every_start_up_refusal_of_the_bad_input_tests(tmp_path, c
 
 def test_check_counts_the_launchers_processes_and_refuses_what_plan_refuses(capsys):
     code, out = _run(capsys, "check", "train", "hydra/launcher=slurm",
-                     "hydra.launcher.tasks_per_node=8")
+                     "hydra.launcher.tasks_per_node=8", "train.batch_size=4")
     assert code == 2 and "over the 8 processes" in out.strip().splitlines()[-1], out
     code, out = _run(capsys, "check", "train", "hydra/launcher=slurm", "hydra.launcher.nodes=2",
                      "hydra.launcher.tasks_per_node=4", "train.batch_size=8")
@@ -146,18 +149,21 @@ def test_check_counts_the_launchers_processes_and_refuses_what_plan_refuses(caps
     (3, "grpo", 6), (6, "grpo", 6), (8, "grpo", 8), (12, "grpo", 12),
     (3, "sft", 18), (6, "sft", 18), (12, "sft", 24)])
 def test_a_batch_that_does_not_fit_the_devices_names_a_value_that_does(devices, algo, works, capsys):
-    """The default batch on N devices: one sentence naming train.batch_size with a value
-    that `gpurl check` then passes; the eval batch is rounded up to the batch shards by
-    itself (an eval batch is a forward pass's width, not part of the figures)."""
+    """The preset's batch named on N devices: one sentence naming train.batch_size with a
+    value that `gpurl check` then passes; not named, the preset's batch is raised to that
+    value by itself. The eval batch is rounded up to the batch shards by itself (an eval
+    batch is a forward pass's width, not part of the figures)."""
     base = ["check", "train", f"algo={algo}", "model=tiny", f"devices={devices}"]
-    code, out = _run(capsys, *base)
+    preset = validate([f"algo={algo}"]).train
+    code, out = _run(capsys, *base, f"train.batch_size={preset.batch_size}")  # named: kept
     last = out.strip().splitlines()[-1]
     assert code == 2 and last.endswith(f"set train.batch_size={works} (or change "
                                        f"mesh.data/mesh.fsdp/mesh.expert)."), last
     code, out = _run(capsys, *base, f"train.batch_size={works}")
-    eval_batch = validate([f"algo={algo}"]).train.eval_batch_size
-    rounded = -(-eval_batch // devices) * devices
+    rounded = -(-preset.eval_batch_size // devices) * devices
     assert code == 0 and f"eval batch {rounded}" in out, out
+    code, out = _run(capsys, *base)  # the preset's: raised to the same value, said so
+    assert code == 0 and f"the preset's {preset.batch_size} " in out and f"-> {works}, " in out, out
 
 
 def test_messages_that_lead_somewhere(tmp_path, capsys, monkeypatch):
@@ -179,8 +185,9 @@ def test_messages_that_lead_somewhere(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.e2e
 def test_the_advised_batches_start_on_3_6_8_and_12_devices(tmp_path):
-    """The value the sentence names (docs/distributed.md: 8 on 8 GPUs, 6 on 3 or 6, 12 on
-    12) starts a real run on that many host devices and trains a step; all four at once."""
+    """The value the sentence names (6 on 3 or 6 devices, 12 on 12) starts a real run on
+    that many host devices and trains a step, and so does the preset's batch on 8 (raised
+    to 8 prompts by itself, as config.yaml records); all four at once."""
     import os
     import subprocess
     import sys
@@ -188,8 +195,9 @@ def test_the_advised_batches_start_on_3_6_8_and_12_devices(tmp_path):
     from conftest import xla_flags
 
     runs = {}
-    for devices, batch in ((3, 6), (6, 6), (8, 8), (12, 12)):
-        args = ["train", "algo=grpo", "model=tiny", f"train.batch_size={batch}", "train.steps=1",
+    for devices, batch in ((3, 6), (6, 6), (8, None), (12, 12)):  # 8: the preset's, raised
+        named = [f"train.batch_size={batch}"] if batch else []
+        args = ["train", "algo=grpo", "model=tiny", *named, "train.steps=1",
                 "data.num_eval=0", "train.save_final=false", "train.checkpoint_every=0",
                 "logger.progress=false", f"run.dir={tmp_path}/d{devices}"]
         runs[devices] = subprocess.Popen(
@@ -199,6 +207,7 @@ def test_the_advised_batches_start_on_3_6_8_and_12_devices(tmp_path):
         out = run.communicate(timeout=900)[0]
         assert run.returncode == 0 and (tmp_path / f"d{devices}" / "summary.json").exists(), \
             f"{devices} devices: {out[-2000:]}"
+    assert yaml.safe_load((tmp_path / "d8" / "config.yaml").read_text())["train"]["batch_size"] == 8
 
 
 def test_more_messages_that_lead_somewhere(capsys):

@@ -26,6 +26,7 @@ from gpurl.cli.compose import (APPS, App, app_help, config_dir, inherit_run_task
                                validate)
 from gpurl.cli.sweep import SWEEP_JOB_FILE, sweep_summary_callback, write_sweep_summary
 from gpurl.commands.check import check, job_shape, launched_processes
+from gpurl.train.preflight import default_batch
 from gpurl.commands.evaluate import evaluate
 from gpurl.commands.export import export_run
 from gpurl.commands.generate import generate
@@ -70,7 +71,8 @@ def _train_job(cfg_node: Any) -> Any:
     if multirun and cfg_node.logger.group is None:
         cfg_node.logger.group = Path(hydra_cfg.sweep.dir).name  # wandb groups a sweep's jobs
     try:
-        summary = train(to_config(cfg_node))
+        summary = train(to_config(cfg_node), not _batch_named(hydra_cfg.overrides.task,
+                                                              hydra_cfg.runtime.choices))
     except (ConfigError, RewardError, EnvError, NonFiniteError) as e:
         _fail(str(e))
     if multirun and runtime.is_main_process():
@@ -106,10 +108,23 @@ def _serve_job(cfg_node: Any) -> None:
 
 
 def _plan_job(cfg_node: Any) -> None:
+    hydra_cfg = HydraConfig.get()
     try:
-        plan(to_config(cfg_node))
+        plan(to_config(cfg_node), not _batch_named(hydra_cfg.overrides.task,
+                                                   hydra_cfg.runtime.choices))
     except ConfigError as e:
         _fail(str(e))
+
+
+def _batch_named(overrides: Sequence[str], choices: Any = None) -> bool:
+    """Whether the user chose train.batch_size: on the command line, or in a train preset
+    of their own (`train=NAME` not shipped in configs/train/); else it is a preset's, which
+    a start raises to fit the job."""
+    choice = (choices or {}).get("train") or next(
+        (o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+") == "train"), None)
+    shipped = {p.stem for p in (config_dir() / "train").glob("*.yaml")}
+    return (choice is not None and choice not in shipped) or any(
+        o.partition("=")[0].lstrip("+~") == "train.batch_size" for o in overrides)
 
 
 JOBS = {"train": _train_job, "plan": _plan_job, "generate": _generate_job, "eval": _eval_job,
@@ -201,7 +216,10 @@ def _check(args: list[str]) -> None:
         processes, devices = job_shape(cfg.distributed, shape.get("processes", launched),
                                        shape.get("devices"),
                                        cfg.plan.devices if command == "plan" else 0)
-        lines = check(command, cfg, processes, devices)
+        fitted = None
+        if command in ("train", "plan") and not _batch_named(overrides):  # as the start does
+            cfg, fitted = default_batch(cfg, processes, devices)
+        lines = ([fitted] if fitted else []) + check(command, cfg, processes, devices)
     except (ConfigError, RewardError, EnvError) as e:
         _fail(str(e))
     for line in lines:

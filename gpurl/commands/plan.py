@@ -30,7 +30,7 @@ from gpurl.models.loading import PACKAGED
 from gpurl.models.transformer import remat_policy
 from gpurl.plan import efficiency, targets
 from gpurl.train.loop import build
-from gpurl.train.preflight import train_checks
+from gpurl.train.preflight import default_batch, train_checks
 from gpurl.plan.memory import GIB, ProgramPlan, advice
 from gpurl.train.fitting import fitted
 from gpurl.train.stepper import Setup, Stepper
@@ -116,14 +116,19 @@ def plan_programs(cfg: Config) -> tuple[Config, Setup, list[ProgramPlan],
         return cfg, setup, plans, bound
 
 
-def plan(cfg: Config) -> list[ProgramPlan]:
-    """Prints one table per program of the run `cfg` describes; returns the plans."""
+def plan(cfg: Config, preset_batch: bool = False) -> list[ProgramPlan]:
+    """Prints one table per program of the run `cfg` describes; returns the plans.
+    `preset_batch`: as `gpurl.train.loop.train`'s."""
     start_backend(cfg.plan)
     runtime.initialize(cfg.distributed)
     processes, devices = runtime.job_shape()
-    plan_checks(cfg, processes)  # the devices planned on: plan.devices (compile-only GPUs: 1)
-    train_checks(planned_config(cfg), processes,
-                 cfg.plan.devices or (1 if cfg.plan.target else devices), planning=True)
+    devices = cfg.plan.devices or (1 if cfg.plan.target else devices)  # planned on
+    plan_checks(cfg, processes)
+    if preset_batch:
+        cfg, line = default_batch(cfg, processes, devices)
+        if line and runtime.is_main_process():
+            print(f"[gpurl] plan: {line}", flush=True)
+    train_checks(planned_config(cfg), processes, devices, planning=True)
     t0 = time.perf_counter()
     cfg, setup, plans, bound = plan_programs(cfg)
     total_s = time.perf_counter() - t0

@@ -43,8 +43,8 @@ from gpurl.train.plots import write_curves
 from gpurl.train.preference import PreferenceStepper
 from gpurl.train.rl import RLStepper
 from gpurl.train.sft import SFTStepper
-from gpurl.train.preflight import (check_context, check_experts, eval_batch, fit_batch,
-                                   train_checks)
+from gpurl.train.preflight import (check_context, check_experts, default_batch, eval_batch,
+                                   fit_batch, train_checks)
 from gpurl.train.step import (NonFiniteError, Placement, checkpointed, complete, make_init,
                               make_train_step, placement, scaling_for)
 from gpurl.train.stepper import Setup, Stepper
@@ -351,9 +351,15 @@ def _eval_at(run_dir: Path, step: int) -> dict[str, float]:
     return out
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """Runs (or resumes) training; returns the final eval figures (also in summary.json)."""
+def train(cfg: Config, preset_batch: bool = False) -> dict[str, Any]:
+    """Runs (or resumes) training; returns the final eval figures (also in summary.json).
+    `preset_batch`: cfg's train.batch_size is a preset's, not the user's (the command line
+    named none), so it is raised to fit the job if it does not (`preflight.default_batch`)."""
     runtime.initialize(cfg.distributed)
+    if preset_batch:
+        cfg, line = default_batch(cfg, *runtime.job_shape())
+        if line and runtime.is_main_process():
+            print(f"[gpurl] {line}", flush=True)
     stop = _Stop()  # from here on SIGTERM ends the run at a step boundary, with exit status 0
     try:
         return _train(cfg, stop)

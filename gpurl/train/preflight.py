@@ -84,13 +84,10 @@ def _group(cfg: Config, family: Family) -> int:
     return cfg.algo.num_generations * (cfg.env.rows_per_trajectory if cfg.env.agents else 1)
 
 
-def fit_batch(cfg: Config, family: Family, shards: int, processes: int = 1,
-              rollout: int = 1) -> None:
-    """A step's batch splits evenly: its entries (`train.batch_size`: prompts for RL, rows
-    else) over the processes and, per micro-batch, over the trainer mesh's `shards` batch
-    shards (an RL prompt's G completions stay on one shard, so that group statistics need no
-    traffic), and an RL step's rows (prompts x G) over the `rollout` mesh's data shards.
-    Else one sentence naming every key to change, with values that work."""
+def _fits(cfg: Config, family: Family, shards: int, processes: int, rollout: int
+          ) -> tuple[list[str], int, int]:
+    """(what the batch does not split over, and the smallest batch and micro-batch at least
+    as large that split over everything: the same when nothing is wrong)."""
     train, group = cfg.train, _group(cfg, family)
 
     def problems(size: int, micro: int) -> list[str]:
@@ -105,25 +102,71 @@ def fit_batch(cfg: Config, family: Family, shards: int, processes: int = 1,
 
     micro = train.micro_batch_size or train.batch_size
     wrong = problems(train.batch_size, micro)
-    if not wrong:
-        return
-    # the smallest batch (and micro-batch, when one is set) at least as large that fits
     unit = math.lcm(processes, shards, rollout)
-    fix = f"train.batch_size={unit}"
+    if not wrong:
+        return [], train.batch_size, micro
     for size in range(train.batch_size, train.batch_size + unit * max(micro, 1) + 1):
         if train.micro_batch_size:
             fits = [m for m in range(micro, size + 1) if size % m == 0 and not problems(size, m)]
             if fits:
-                fix = f"train.batch_size={size} train.micro_batch_size={fits[0]}"
-                break
+                return wrong, size, fits[0]
         elif not problems(size, size):
-            fix = f"train.batch_size={size}"
-            break
-    what = (f"train.batch_size={train.batch_size} prompts (x {group} completions each)"
-            if family == Family.RL else f"train.batch_size={train.batch_size} rows")
-    per_micro = f" in micro-batches of train.micro_batch_size={micro}" if train.micro_batch_size else ""
+            return wrong, size, size
+    return wrong, unit, unit
+
+
+def fit_batch(cfg: Config, family: Family, shards: int, processes: int = 1,
+              rollout: int = 1) -> None:
+    """A step's batch splits evenly: its entries (`train.batch_size`: prompts for RL, rows
+    else) over the processes and, per micro-batch, over the trainer mesh's `shards` batch
+    shards (an RL prompt's G completions stay on one shard, so that group statistics need no
+    traffic), and an RL step's rows (prompts x G) over the `rollout` mesh's data shards.
+    Else one sentence naming every key to change, with values that work."""
+    wrong, size, micro = _fits(cfg, family, shards, processes, rollout)
+    if not wrong:
+        return
+    train = cfg.train
+    fix = f"train.batch_size={size}" + (f" train.micro_batch_size={micro}"
+                                        if train.micro_batch_size else "")
+    what = (f"train.batch_size={train.batch_size} prompts (x {_group(cfg, family)} completions "
+            f"each)" if family == Family.RL else f"train.batch_size={train.batch_size} rows")
+    per_micro = (f" in micro-batches of train.micro_batch_size={train.micro_batch_size}"
+                 if train.micro_batch_size else "")
     raise ConfigError(f"{what}{per_micro} must split evenly over {' and '.join(wrong)}; set "
                       f"{fix} (or change mesh.data/mesh.fsdp/mesh.expert).")
+
+
+def default_batch(cfg: Config, processes: int, devices: int) -> tuple[Config, str | None]:
+    """A preset's batch (the command line named no train.batch_size) raised to the smallest
+    that the job splits evenly, and the line that says so; a batch the user named is never
+    changed (`fit_batch` then names the value that fits)."""
+    algorithm = registry.get(cfg.algo.name)
+    shape, shards, replicas = _job_mesh(cfg, algorithm, processes, devices)[:3]
+    wrong, size, micro = _fits(cfg, algorithm.family, shards, processes, replicas)
+    if not wrong:
+        return cfg, None
+    train = dataclasses.replace(cfg.train, batch_size=size,
+                                micro_batch_size=micro if cfg.train.micro_batch_size else 0)
+    unit = "prompts" if algorithm.family == Family.RL else "rows"
+    return dataclasses.replace(cfg, train=train), (
+        f"train.batch_size: the preset's {cfg.train.batch_size} {unit} -> {size}, the smallest "
+        f"count that splits evenly over {' and '.join(wrong)} (name train.batch_size to choose)")
+
+
+def _job_mesh(cfg: Config, algorithm: registry.Algorithm, processes: int, devices: int
+              ) -> tuple[dict[str, int], int, int, list[str]]:
+    """(the trainer mesh's axis sizes, its batch shards, the rollout's data shards: 1 for
+    runs without one, lines) of the job; split placement divides its devices."""
+    total = processes * devices
+    lines = []
+    trainer, rollout = total, total
+    if algorithm.family == Family.RL and cfg.mesh.placement == "split":
+        per = rollout_per_process(cfg.mesh, [devices] * processes)
+        trainer, rollout = total - per * processes, per * processes
+        lines.append(f"placement: split, {rollout} rollout and {trainer} trainer devices")
+    shape = mesh_sizes(cfg.mesh, trainer)
+    replicas = rollout_shards(cfg.mesh, rollout) if algorithm.family == Family.RL else 1
+    return shape, batch_shards(shape, cfg.mesh.train_rules), replicas, lines
 
 
 def eval_batch(cfg: Config, shards: int, processes: int = 1) -> Config:
@@ -145,18 +188,9 @@ def train_checks(cfg: Config, processes: int, devices: int, planning: bool = Fal
         check_target(cfg)
     algorithm = registry.get(cfg.algo.name)
     check_context(cfg, algorithm)
-    total = processes * devices
-    lines = []
-    trainer, rollout = total, total
     if algorithm.family == Family.RL:
         check_mode(cfg.rollout, cfg.mesh.placement)
-        if cfg.mesh.placement == "split":
-            per = rollout_per_process(cfg.mesh, [devices] * processes)
-            trainer, rollout = total - per * processes, per * processes
-            lines.append(f"placement: split, {rollout} rollout and {trainer} trainer devices")
-    shape = mesh_sizes(cfg.mesh, trainer)
-    shards = batch_shards(shape, cfg.mesh.train_rules)
-    replicas = rollout_shards(cfg.mesh, rollout) if algorithm.family == Family.RL else 1
+    shape, shards, replicas, lines = _job_mesh(cfg, algorithm, processes, devices)
     fit_batch(cfg, algorithm.family, shards, processes, replicas)
     cfg = eval_batch(cfg, shards, processes)
     check_experts(cfg.model, shape, cfg.mesh.train_rules)
