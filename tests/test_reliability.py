@@ -330,7 +330,7 @@ def test_the_command_line_prints_such_errors_as_one_line(tmp_path, monkeypatch, 
     import gpurl.cli
     from gpurl.cli import main
 
-    def fail(cfg):
+    def fail(cfg, *_):
         raise error
 
     monkeypatch.setattr(gpurl.cli, "train", fail)

@@ -21,7 +21,7 @@ from gpurl.rollout.decode import stop_token_ids, truncate
 from gpurl.rollout.multiturn import EnvFactory, Episodes
 from gpurl.rollout.prompts import encode_prompt, prompt_tools
 from gpurl.rollout.engine import Engine
-from gpurl.train.preflight import generate_checks
+from gpurl.train.preflight import generate_checks, prompts_file_line
 from gpurl.train.restore import restore_run
 
 
@@ -34,8 +34,7 @@ def read_prompts(cfg: GenerateConfig) -> list[tuple[str | list[dict], dict]]:
     if cfg.prompt is not None:
         return [(cfg.prompt, {})]
     path = Path(cfg.prompts_file)
-    if not path.is_file():
-        raise ConfigError(f"prompts_file={path} does not exist; point it to a jsonl or text file.")
+    prompts_file_line(str(path))  # (as `gpurl check generate`)
     prompts: list[tuple[str | list[dict], dict]] = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():

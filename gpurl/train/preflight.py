@@ -262,7 +262,7 @@ def generate_checks(cfg: GenerateConfig, processes: int, devices: int) -> list[s
     lines = [run_dir(cfg.checkpoint) if cfg.checkpoint is not None else model_line(cfg.model)]
     rollout_shards(cfg.mesh, processes * devices)
     if cfg.prompts_file is not None:
-        lines.append(exists("prompts_file", cfg.prompts_file))
+        lines.append(prompts_file_line(cfg.prompts_file))
     if cfg.env.on:
         EnvFactory(cfg.env)
         lines.append(f"env: {cfg.env.name}")
@@ -286,6 +286,13 @@ def exists(key: str, path: str) -> str:
     if not Path(path).expanduser().exists():
         raise ConfigError(f"{key}={path} does not exist; point it at an existing path.")
     return f"{key}: {hub.describe(path, key)}"
+
+
+def prompts_file_line(path: str) -> str:
+    """`gpurl generate`'s prompts_file: an existing jsonl or text file."""
+    if not Path(path).is_file():
+        raise ConfigError(f"prompts_file={path} does not exist; point it to a jsonl or text file.")
+    return f"prompts_file: {path}"
 
 
 def run_dir(path: str) -> str:
