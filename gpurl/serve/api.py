@@ -299,11 +299,7 @@ def chat_response(gw: Gateway, body: ChatRequest, call: Call, completions: list[
         choices.append(ChatChoice(index=index, message=message, finish_reason=reason,
                                   logprobs=logprobs, stop_reason=choice.stop,
                                   token_ids=choice.tokens if body.return_token_ids else None))
-    return ChatResponse(
-        id=f"chatcmpl-{secrets.token_hex(12)}", created=int(time.time()), model=gw.model_name,
-        choices=choices, usage=_usage(call.prompt, generated),
-        prompt_token_ids=call.prompt if body.return_token_ids else None).model_dump(
-            exclude_none=True)
+    return _response(ChatResponse, "chatcmpl", gw, call, body.return_token_ids, choices, generated)
 
 
 def completion_response(gw: Gateway, body: CompletionRequest, call: Call,
@@ -326,11 +322,16 @@ def completion_response(gw: Gateway, body: CompletionRequest, call: Call,
                                         finish_reason=choice.finish, logprobs=logprobs,
                                         stop_reason=choice.stop,
                                         token_ids=choice.tokens if body.return_token_ids else None))
-    return CompletionResponse(
-        id=f"cmpl-{secrets.token_hex(12)}", created=int(time.time()), model=gw.model_name,
-        choices=choices, usage=_usage(call.prompt, generated),
-        prompt_token_ids=call.prompt if body.return_token_ids else None).model_dump(
-            exclude_none=True)
+    return _response(CompletionResponse, "cmpl", gw, call, body.return_token_ids, choices,
+                     generated)
+
+
+def _response(kind: type, prefix: str, gw: Gateway, call: Call, token_ids: bool,
+              choices: list, generated: int) -> dict:
+    """A chat or text completion response's envelope around its choices, as JSON."""
+    return kind(id=f"{prefix}-{secrets.token_hex(12)}", created=int(time.time()),
+                model=gw.model_name, choices=choices, usage=_usage(call.prompt, generated),
+                prompt_token_ids=call.prompt if token_ids else None).model_dump(exclude_none=True)
 
 
 def _usage(prompt: list[int], generated: int) -> Usage:
