@@ -309,8 +309,8 @@ def data_lines(data: Any, read: Callable[[Any], tuple]) -> list[str]:
              if getattr(data, key) is not None]
     if data.dataset is not None and data.path is None:
         lines.append(f"data.dataset: {hub.describe(data.dataset, 'data.dataset', 'dataset')}")
-    if data.dataset is not None and data.path is None and not hub.cached(data.dataset, "dataset"):
-        return lines  # fetched at start: its rows are read then
+        if not hub.cached(data.dataset, "dataset"):
+            return lines  # fetched at start: its rows are read then
     train, held_out = read(data)
     return lines + [f"data: {len(train)} training rows, {len(held_out)} held out"]
 
