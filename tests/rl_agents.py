@@ -4,7 +4,14 @@ plain `openai` code against the gateway, and agents that misbehave."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+
+# imported here, once: 24 agent threads importing httpx at once for the first time can see
+# it half initialized (CPython hands a partly imported module to a thread that would
+# otherwise deadlock on the import lock)
+import httpx
+import openai
 
 from gpurl.envs.builtin import GuessNumber
 from rl_envs import PrintableGame
@@ -87,15 +94,14 @@ async def rewrites(client, row):
 
 async def misbehaving(client, row):
     """The behaviour the row names (tests/test_agents.py's battery)."""
-    import httpx
-    import openai
-
     chat = {"model": "policy", "messages": [{"role": "user", "content": row["prompt"]}],
             "max_tokens": 3}
     kind = row["behaviour"]
-    if kind == "fine":
+    if kind == "fine":  # its reward, with numbers to log beside it (and what is not logged)
         done = await client.chat.completions.create(**chat)
-        return 0.5 + 0.5 * bool(done.choices[0].message.content)
+        text = done.choices[0].message.content or ""
+        return {"reward": 0.5 + 0.5 * bool(text), "tries": 1, "chars": len(text),
+                "label": "fine", "ok": True, "inf": float("inf")}
     if kind == "raises":
         await client.chat.completions.create(**chat)
         raise RuntimeError("the agent broke")
@@ -125,3 +131,15 @@ async def misbehaving(client, row):
     if kind == "no_reward":
         return "a reward"
     raise ValueError(kind)
+
+
+# Set by a test to let the agents of rows whose answer ends in 7 make their first call
+HOLD = threading.Event()
+
+
+async def printable_held_on_7(client, row):
+    """`printable`, once `HOLD` is set when the row's answer ends in 7: a continuous run's
+    groups of those rows are still playing when the others have ended."""
+    if str(row.get("answer", "")).endswith("7"):
+        await asyncio.get_running_loop().run_in_executor(None, HOLD.wait)
+    return await printable(client, row)

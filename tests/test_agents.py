@@ -87,7 +87,8 @@ def test_bad_agents_end_their_own_trajectories_and_the_run_goes_on(tmp_path):
     key or another session's id, sends malformed JSON, asks for a huge max_tokens or
     returns no reward. Each ends its own trajectory with env.error_reward and a counted
     reason (the huge max_tokens is served within the trajectory's room and scores); the
-    run finishes, the well-behaved agent beside them scores, and the gateway stops with it."""
+    run finishes, the well-behaved agent beside them scores (and the numbers it returns
+    beside its reward are logged as agent/info/*), and the gateway stops with it."""
     behaviours = ["fine", "raises", "sleeps", "blocks", "calls_forever", "wrong_key",
                   "other_session", "malformed", "huge_max_tokens", "no_reward", "fine", "fine"]
     rows = tmp_path / "rows.jsonl"
@@ -107,3 +108,7 @@ def test_bad_agents_end_their_own_trajectories_and_the_run_goes_on(tmp_path):
     assert step["agent/over_limit"] == 2 and step["agent/no_reward"] == 2
     assert step["agent/failed"] == pytest.approx(16 / 24)
     assert np.isfinite(step["loss"]) and step["reward/mean"] > 0  # fine and huge_max_tokens
+    # the numbers the fine agents returned beside their rewards, averaged over those agents
+    # (not text, a bool or infinity)
+    assert step["agent/info/tries"] == 1.0 and 0 <= step["agent/info/chars"] <= 12
+    assert not {"agent/info/label", "agent/info/ok", "agent/info/inf"} & set(step)

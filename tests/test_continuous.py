@@ -203,3 +203,120 @@ def test_multi_turn_trajectories_stream_through_continuous_rollouts(tmp_path, mo
             turns.setdefault(traj, []).append(int(turn))
     assert all(t == list(range(1, len(t) + 1)) for t in turns.values())
     assert len(turns) >= 4 * 4 * 4  # every trajectory trained had its own environment
+
+
+def _agent_config(tmp_path, env: dict, **rollout: Any):
+    """Continuous GRPO at a learning rate below every weight's rounding on three-turn trajectories of PrintableGame (tests/rl_envs.py),
+    played in-process (`env`: the class) or by an agent through the gateway
+    (rl_agents:printable): the weights never change, so the versions are labels only and
+    both sample the same tokens."""
+    return make_config(
+        algo={"name": "grpo", "num_generations": 4, "beta": 0.0},
+        model=dict(TINY_MODEL, tokenizer="bytes"), mesh={"placement": "split", "rollout_devices": 1},
+        data={"name": "arithmetic", "num_train": 32, "num_eval": 0, "max_len": 64},
+        optim={"lr": 1e-30, "warmup_steps": 0, "decay": "constant"},  # updates round away
+        train={"steps": 3, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0},
+        rollout={"max_new_tokens": 6, "decode_chunk": 2, "mode": "continuous", "swap_chunks": 1,
+                 **rollout},
+        env={"max_turns": 3, "max_tokens": 64, "stop": ["\\n"], **env},
+        logger={"progress": False}, run={"dir": str(tmp_path)})
+
+
+AGENT = {"name": "agent", "agent": "rl_agents:printable", "agent_rows": 1}
+
+
+@pytest.mark.e2e
+def test_agents_play_in_the_continuous_stream_as_environments_do(tmp_path):
+    """env=agent in continuous mode: each group's agents start when it is drawn, their calls
+    join the run's stream and span weight swaps, every model token records its version and
+    none trained is older than the bound; with one batch in flight the steps train the same
+    trajectories as the in-process environment (the same tokens: rewards, turns and losses
+    equal to fp32 rounding)."""
+    from gpurl.distributed.mesh import using_devices
+    from gpurl.train.loop import build
+
+    def run(cfg):
+        with using_devices(jax.devices()[:2]):
+            cfg, setup, stepper = build(cfg)
+            trained, score = [], stepper.rounds.score_agents
+            stepper.rounds.score_agents = lambda p, i, groups, *a: (
+                trained.append([g.versions() for g in groups]) or score(p, i, groups, *a))
+            state, metrics = setup.init(), []
+            for step in range(3):
+                state, m = stepper.step(state, step)
+                metrics.append({k: float(v) for k, v in m.items()})
+            stepper.close()
+            return metrics, trained
+
+    agents, trained = run(_agent_config(tmp_path / "agent", AGENT, max_lag=1, in_flight=1))
+    env = run(_agent_config(tmp_path / "env", {"name": "rl_envs:PrintableGame"},
+                            max_lag=1, in_flight=1))[0]
+    for step, (a, e, versions) in enumerate(zip(agents, env, trained)):
+        assert a["agent/calls"] == 3 and a["agent/failed"] == 0
+        for key in ("reward/mean", "reward/std", "loss", "env/turns", "completion/length"):
+            assert a[key] == pytest.approx(e[key], rel=1e-6, abs=1e-7), key
+        tokens = np.concatenate([np.asarray(v) for v in versions])
+        assert len(versions) == 4 and tokens.min() >= step - 1 and tokens.max() <= step
+        assert a["off_policy/lag_max"] == step - tokens.min()
+    # the first decode chunk of a step samples with the old weights, the rest with the new
+    assert any(len(set(v)) > 1 for versions in trained[1:] for v in versions)
+    assert len({round(a["reward/mean"], 6) for a in agents}) > 1  # not a constant
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_keeps_ended_agent_groups_and_plays_the_others_again(tmp_path):
+    """A continuous agent run's checkpoint (`Continuous.state_meta`) holds the groups whose
+    agents all ended (their rows, versions and rewards) and names the groups still playing
+    (held by the test until their first calls are in the stream); a run restored from it
+    drops the calls the checkpoint's stream held, plays those groups again from their start
+    with new agents, and trains on."""
+    import json
+    import time
+
+    import rl_agents
+    from gpurl.distributed.mesh import using_devices
+    from gpurl.train.loop import build
+
+    held = {**AGENT, "agent": "rl_agents:printable_held_on_7"}
+    rl_agents.HOLD.clear()
+    try:
+        with using_devices(jax.devices()[:2]):
+            cfg, setup, stepper = build(_agent_config(tmp_path / "a", held, max_lag=2, in_flight=2))
+            state, _ = stepper.step(setup.init(), 0)
+            source = stepper.source
+            waiting = {p for p, g in ((g.prompt, g) for g in source.groups.values())
+                       if str(source.prompts.rows[p]["answer"]).endswith("7")}
+            while not all(g.ready for g in source.groups.values() if g.prompt not in waiting):
+                source.agents.admit()  # the run's stream goes on until the others ended
+                busy = source.stream.iterate(source.params, source.version)
+                for index, completion in source.stream.finished():
+                    source.agents.deliver(index, completion)
+                source.agents.served(busy)
+            rl_agents.HOLD.set()  # the held agents' first calls are in the stream at the checkpoint
+            driver = source.agents.gateway.driver
+            while driver.queued() < 4 * len(waiting):
+                time.sleep(0.01)
+            source.agents.admit()
+            assert len(source.stream.unfinished()) == 4 * len(waiting)
+            meta = json.loads(json.dumps(stepper.source.state_meta()))
+            before = {g.prompt: g for g in source.groups.values()}
+            ended = {p for p, g in before.items() if g.ready}
+            assert len(before) == 4 and ended == set(before) - waiting and 0 < len(waiting) < 4
+            stepper.close()
+
+            cfg, setup, resumed = build(_agent_config(tmp_path / "b", held, max_lag=2, in_flight=2))
+            resumed.restore_meta(meta)
+            kept = {g.prompt: g for g in resumed.source.groups.values()}
+            assert set(kept) == ended
+            assert sorted(p for p, *_ in resumed.source._replay) == sorted(waiting)
+            for p in ended:  # the same rows, token for token, versions and rewards
+                assert ([t.state.session.state() for t in kept[p].agents.trajectories]
+                        == [t.state.session.state() for t in before[p].agents.trajectories])
+                assert ([t.outcome for t in kept[p].agents.trajectories]
+                        == [t.outcome for t in before[p].agents.trajectories])
+            _, m = resumed.step(state, 1)
+            assert float(m["agent/failed"]) == 0 and float(m["agent/calls"]) == 3
+            assert len(resumed.source.groups) == 4 and not resumed.source._replay
+            resumed.close()
+    finally:
+        rl_agents.HOLD.set()

@@ -15,6 +15,7 @@ under dynamic sampling, to choose the groups to keep.
 from __future__ import annotations
 
 import functools
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -259,6 +260,7 @@ class Collector:
         if rounds[0].agent is not None:  # agents: how their trajectories went
             metrics.update(agent_stats(rounds[0].agent, rounds[0].row_ids,
                                        self.source.env.rows_per_trajectory))
+            metrics.update(agent_info(rounds[0].agent_info or {}))
         return Collected(batch, rewards_B, metrics, assembled_at, lag,
                          functools.partial(self._lengths, rounds, select_B))
 
@@ -383,3 +385,14 @@ def agent_stats(counts_BxC: jax.Array, row_ids_B: jax.Array, rows_per: int) -> d
             "agent/no_reward": total["no_reward"], "agent/calls": total["calls"] / n,
             "agent/forks": total["forks"] / n, "agent/rows_dropped": total["dropped"],
             "agent/truncated": total["truncated"]}
+
+
+def agent_info(mine: dict[str, list[float]]) -> dict[str, float]:
+    """`agent/info/<key>`: each number agents returned beside their reward (a dict's other
+    keys), its mean over the trajectories that returned it on every process (one gather)."""
+    total: dict[str, list[float]] = {}
+    for text in host.gather_text(json.dumps(mine)):
+        for k, (value, count) in json.loads(text).items():
+            both = total.setdefault(k, [0.0, 0.0])
+            both[0], both[1] = both[0] + value, both[1] + count
+    return {f"agent/info/{k}": value / count for k, (value, count) in sorted(total.items())}

@@ -45,6 +45,16 @@ chunks), its environment steps and the next turn joins the stream (its trajector
 found in the prefix cache). A group's oldest token counts every turn's, so the bound holds
 for trajectories that span versions. Checkpoints keep the trajectories and the texts their
 environments were given, and a resumed run replays them (`Episodes.restore`).
+
+Agents (`env=agent`, `gpurl.serve.agents`): a group's G agents start when the group is
+drawn, and their calls join the same stream (admitted before each iteration, answered as
+they finish), so an agent's trajectory spans policy versions as an environment's does;
+each sampled token records its version, and the group is ready once all its agents ended.
+The bound holds as above: a call in flight holding a token past it starts over (the agent
+only waits longer), and an ended group holding one is played again by new agents. Which
+version samples a token depends on when an agent's call arrives, so such runs are not
+bit-reproducible. A checkpoint keeps the groups whose agents all ended; the groups still
+playing are played again from their start by a resumed run (agents cannot be saved).
 """
 
 from __future__ import annotations
@@ -77,9 +87,12 @@ class Group:
     requests: list[int]  # their indices in the stream
     done: dict[int, Completion] = field(default_factory=dict)
     episodes: Episodes | None = None  # with an environment: its G trajectories
+    agents: Any = None  # with agents (env=agent): their `AgentGroup`, its calls in the stream
 
     @property
     def ready(self) -> bool:
+        if self.agents is not None:
+            return self.agents.ended
         return len(self.done) == len(self.requests)
 
     def oldest(self, started: dict[int, int] | None = None) -> int:
@@ -88,12 +101,16 @@ class Group:
         done = [int(c.versions.min(initial=1 << 30)) for c in self.done.values()]
         flying = [started[i] for i in self.requests if i in started] if started else []
         earlier = [self.episodes.oldest()] if self.episodes is not None else []  # past turns
+        if self.agents is not None:
+            earlier.append(self.agents.oldest(started))
         return min(done + flying + earlier, default=1 << 30)
 
     def lags(self, step: int) -> np.ndarray:
         """How many versions each of its model tokens is behind `step`."""
         if self.episodes is not None:
             return step - np.asarray(self.episodes.model_versions(), np.int64)
+        if self.agents is not None:
+            return step - np.asarray(self.agents.versions(), np.int64)
         return np.concatenate([step - self.done[i].versions for i in self.requests])
 
 
@@ -108,6 +125,7 @@ class Continuous:
     def __init__(self, collector: Collector, weights: PolicyWeights, prompts: Prompts,
                  cfg: RolloutConfig, group: int, batch_size: int, seed: int):
         self.rounds, self.collector, self.prompts, self.cfg = collector.source, collector, prompts, cfg
+        self.agents = self.rounds.agents  # env=agent: plays the groups' trajectories
         self.weights, self.group, self.seed = weights, group, seed
         self.batches_in_flight = cfg.in_flight  # the stream's pool holds these at once
         self.per = batch_size // runtime.process_count()  # groups per process and step
@@ -121,6 +139,7 @@ class Continuous:
         self._ids = 0
         self._counts: dict[str, float] = {}
         self._restored: dict | None = None  # a checkpoint's stream, rebuilt at the next step
+        self._replay: list[tuple[int, np.ndarray, int]] = []  # a checkpoint's groups still playing
 
     def next(self, step: int, policy: Any) -> Collected:
         """The batch of step `step` (`policy`: the trainer's weights, version `step`)."""
@@ -157,10 +176,7 @@ class Continuous:
         under dynamic sampling, rounds go on (up to 1 + algo.max_refills) until a batch of
         informative groups is kept, the dropped ones replaced from the stream."""
         if self.stream is None:
-            resume = self._resume if self.rounds.env else None
-            self.stream = self.rounds.engine.stream(self.rounds.prompt_width, self._restored,
-                                                    resume)
-            self._restored = None
+            self._open()
         oldest = step - self.cfg.max_lag
         self._iterations, self._sync_s = 0, 0.0
         self._restarted = self._drop_ready(oldest)
@@ -188,16 +204,29 @@ class Continuous:
                 "counts": self._counts,
                 "groups": [[gid, g.prompt, g.seeds.tolist(), g.requests, self.drawn_at[gid],
                             [[i, _completion_state(c)] for i, c in g.done.items()],
-                            None if g.episodes is None else g.episodes.snapshot()]
-                           for gid, g in self.groups.items()]}
+                            None if g.episodes is None else g.episodes.snapshot(),
+                            None if g.agents is None else g.agents.snapshot()]
+                           for gid, g in self.groups.items()],
+                "replay": [[p, s.tolist(), d] for p, s, d in self._replay]}
 
     def restore(self, state: dict) -> None:
         """The state `snapshot` gave (this process's); the stream is rebuilt at the next
         step (a collective)."""
         self.collector.position, self._ids = state["position"], state["ids"]
         self.ready, self._counts, self._restored = list(state["ready"]), state["counts"], state["stream"]
-        for gid, prompt, seeds, requests, drawn, done, episodes in state["groups"]:
-            g = Group(prompt, np.asarray(seeds, np.uint32), list(requests),
+        self._replay = [(p, np.asarray(s, np.uint32), d) for p, s, d in state.get("replay", [])]
+        for gid, prompt, seeds, requests, drawn, done, episodes, *agents in state["groups"]:
+            seeds = np.asarray(seeds, np.uint32)
+            if self.agents is not None:
+                if agents[0] is None:  # still playing: played again from its start
+                    self.ready = [x for x in self.ready if x != gid]
+                    self._replay.append((prompt, seeds, drawn))
+                    continue
+                g = Group(prompt, seeds, [], agents=self.agents.restored(agents[0],
+                                                                         self.prompts.rows[prompt]))
+                self.groups[gid], self.drawn_at[gid] = g, drawn
+                continue
+            g = Group(prompt, seeds, list(requests),
                       {i: _completion_from(c) for i, c in done})
             if episodes is not None:
                 g.episodes = self.rounds.new_episodes()
@@ -208,6 +237,21 @@ class Continuous:
                     self.owner[i] = gid
 
     # --------------------------------------------------------------- internals
+
+    def _open(self) -> None:
+        """The run's stream (a checkpoint's, when restored); with agents, their calls join
+        it, the calls a checkpoint held are dropped and its groups still playing are
+        played again."""
+        resume = self._resume if self.rounds.env and self.agents is None else None
+        self.stream = self.rounds.engine.stream(self.rounds.prompt_width, self._restored, resume)
+        self._restored = None
+        if self.agents is None:
+            return
+        self.agents.attach(self.stream, self.rounds.prompt_width, self.rounds.width)
+        self.stream.cancel(set(self.stream.unfinished()) - set(self.owner))
+        for prompt, seeds, drawn in self._replay:
+            self._add(prompt, seeds, drawn)
+        self._replay = []
 
     def _take(self, policy: Any, step: int) -> float:
         """The trainer's weights of version `step` into the engine (waiting until they are
@@ -221,7 +265,7 @@ class Continuous:
         """Draws batches of prompts (this process's slice) until `rollout.in_flight`
         batches of groups are queued, decoding or ready."""
         rank, g = runtime.process_index(), self.group
-        while len(self.groups) < self.cfg.in_flight * self.per:
+        while len(self.groups) + len(self._replay) < self.cfg.in_flight * self.per:
             position = self.collector.position
             idx = self.collector.indices(position)
             self.collector.position += 1
@@ -232,6 +276,13 @@ class Continuous:
                 self._add(int(prompt), seeds[at:at + g], position)
 
     def _add(self, prompt: int, seeds: np.ndarray, position: int) -> None:
+        gid = self._ids
+        if self.agents is not None:  # its agents start; their calls join as they come
+            self._ids += 1
+            self.groups[gid] = Group(prompt, seeds, [], agents=self.agents.begin(
+                self.prompts.rows[prompt], seeds))
+            self.drawn_at[gid] = position
+            return
         requests = self.rounds.first_requests(self.prompts.tokens[prompt], seeds)
         episodes = None
         if self.rounds.env:  # the G trajectories' environments, built from the prompt's row
@@ -252,6 +303,8 @@ class Continuous:
         for gid in stale:
             self.ready.remove(gid)
             g = self.groups.pop(gid)
+            if g.agents is not None:
+                self.agents.end(g.agents)
             self._add(g.prompt, g.seeds, self.drawn_at.pop(gid))
         return len(stale) * self.group
 
@@ -284,13 +337,21 @@ class Continuous:
                 continue
             if enough:
                 return
-            self.stream.iterate(self.params, self.version)
-            self._iterations += 1
+            if self.agents is not None:
+                self.agents.admit()
+            busy = self.stream.iterate(self.params, self.version)
+            self._iterations += busy  # an idle one (agents between calls) takes no turn
             for index, completion in self.stream.finished():
+                if self.agents is not None and self.agents.deliver(index, completion):
+                    continue
                 gid = self.owner.pop(index)
                 self.groups[gid].done[index] = completion
                 if self.groups[gid].ready:
                     self.ready.append(gid)
+            if self.agents is not None:
+                self.agents.served(busy)
+                self.ready += [gid for gid, g in self.groups.items()
+                               if gid not in self.ready and self.agents.ended(g.agents)]
             self._restarted += self._drop_ready(oldest)
 
     def _round(self, step: int, rollout_s: float) -> tuple[Round, np.ndarray]:
@@ -305,8 +366,14 @@ class Continuous:
         done = [g.done[i] for g in groups for i in g.requests]
         counts = {k: v - self._counts.get(k, 0.0) for k, v in self.stream.stats.items()}
         self._counts = dict(self.stream.stats)
-        r = self.rounds.score(self.prompts, [g.prompt for g in groups], done, self.group,
-                              rollout_s, counts, [g.episodes for g in groups if g.episodes])
+        if self.agents is not None:
+            for g in groups:
+                self.agents.end(g.agents)
+            r = self.rounds.score_agents(self.prompts, [g.prompt for g in groups],
+                                         [g.agents for g in groups], self.group, rollout_s, counts)
+        else:
+            r = self.rounds.score(self.prompts, [g.prompt for g in groups], done, self.group,
+                                  rollout_s, counts, [g.episodes for g in groups if g.episodes])
         lags = [g.lags(step) for g in groups]
         return r, np.asarray([(x.sum(), x.size, x.max(initial=0)) for x in lags], np.int64)
 

@@ -198,6 +198,14 @@ class Stream:
         drop_stale`); how many did."""
         return self.sched.drop_stale(oldest)
 
+    def unfinished(self) -> list[int]:
+        """The indices of the requests queued or decoding."""
+        return [x.index for shard in self.sched.shards for x in [*shard.rows, *shard.queue]]
+
+    def cancel(self, indices: set[int]) -> None:
+        """The unfinished requests `indices` leave the stream (`Scheduler.cancel`)."""
+        self.sched.cancel(indices)
+
     # ------------------------------------------------------------ device calls
 
     def _ensure_pool(self, blocks: int) -> int:

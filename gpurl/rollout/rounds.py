@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,16 +46,45 @@ CORRECT = 1.0 - 1e-6
 
 
 class Agents(Protocol):
-    """What plays a round's trajectories when agents do (`gpurl.serve.agents.AgentRunner`):
-    `run` returns their rows as `Episodes.arrays` lays them out, plus "prompt_tokens",
-    "prompt_lengths" and "counts" (per row, the trajectory's counts on its first row);
-    `close` stops what serves them."""
+    """What plays the trajectories when agents do (`gpurl.serve.agents.AgentRunner`):
+    `run` plays a round and returns its rows as `Episodes.arrays` lays them out, plus
+    "prompt_tokens", "prompt_lengths" and "counts" (per row, the trajectory's counts on
+    its first row); `close` stops what serves them, and `info` holds the numbers the
+    agents of the last rows returned beside their rewards (key -> [sum, count]). Continuous mode
+    (`gpurl.rollout.continuous`) plays prompt groups in the run's stream instead: `attach`
+    it, `begin` a group, and around each iteration `admit` the calls that arrived, offer
+    each finished request (`deliver`), then `served`; `ended` says when a group's agents
+    all ended, `end` takes its sessions off the gateway, and `arrays` gives the rows of
+    groups (`restored`: an ended group from a checkpoint)."""
+
+    info: dict[str, list[float]]
 
     def run(self, params: Params, prompts: Prompts, ids: np.ndarray, seeds: np.ndarray,
             per_prompt_rows: int, prompt_width: int, width: int,
             temperature: float | None) -> dict[str, np.ndarray]: ...
 
     def close(self) -> None: ...
+
+    def attach(self, stream: Any, prompt_width: int, width: int) -> None: ...
+
+    def begin(self, row: dict, seeds: np.ndarray) -> Any: ...
+
+    def admit(self) -> None: ...
+
+    def deliver(self, index: int, completion: Completion) -> bool: ...
+
+    def served(self, busy: bool) -> None: ...
+
+    def ended(self, group: Any) -> bool: ...
+
+    def end(self, group: Any) -> None: ...
+
+    def report(self, groups: Sequence[Any]) -> None: ...
+
+    def arrays(self, groups: Sequence[Any], prompts: Prompts, indices: Sequence[int],
+               per_prompt_rows: int, prompt_width: int, width: int) -> dict[str, np.ndarray]: ...
+
+    def restored(self, state: list[dict], row: dict) -> Any: ...
 
 
 def row_seeds(seed: int, step: int, rnd: int, rows: int) -> np.ndarray:
@@ -89,6 +118,8 @@ class Round:
     mask: jax.Array | None = None  # B x N with an environment: 1 on the model's tokens
     # B x len(AGENT_COUNTS) with agents (env=agent): each trajectory's counts on its first row
     agent: jax.Array | None = None
+    # with agents: the numbers they returned beside their rewards, key -> [sum, count]
+    agent_info: dict[str, list[float]] | None = None
 
     @functools.cached_property
     def rollout(self) -> Rollout:
@@ -222,14 +253,34 @@ class Rounds:
         """A round whose trajectories agents play through the gateway (`self.agents`)."""
         arrays = self.agents.run(params, prompts, row_ids, seeds, group, self.prompt_width,
                                  self.width, temperature)
+        global_rows = [prompts.rows[i] if i >= 0 else prompts.rows[0] for i in indices]
+        return self._agent_round(arrays, local_ids, global_rows, group, per,
+                                 time.perf_counter() - t0, dict(self.engine.stats))
+
+    def score_agents(self, prompts: Prompts, indices: Sequence[int], groups: Sequence,
+                     group: int, rollout_s: float, counts: dict[str, float]) -> Round:
+        """`score` for trajectories agents played in the run's stream (continuous mode):
+        `groups` are the prompts' `AgentGroup`s, `group` rows each."""
+        arrays = self.agents.arrays(groups, prompts, indices, group, self.prompt_width, self.width)
+        self.agents.report(groups)
+        count, rank = runtime.process_count(), runtime.process_index()
+        per = len(indices) * group
+        global_rows: list = [None] * (count * len(indices))  # this process's groups alone
+        global_rows[rank * len(indices):(rank + 1) * len(indices)] = [prompts.rows[i] for i in indices]
+        local_ids = (rank * per + np.arange(per)).astype(np.int32)
+        return self._agent_round(arrays, local_ids, global_rows, group, per, rollout_s, counts)
+
+    def _agent_round(self, arrays: dict[str, np.ndarray], local_ids: np.ndarray,
+                     global_rows: list, group: int, per: int, rollout_s: float,
+                     counts: dict[str, float]) -> Round:
+        """The scored Round of agents' rows (`Agents.run`'s layout)."""
         local, scored, env, mask = self._trajectories(arrays)
         local["prompt_tokens"], local["prompt_lengths"] = arrays["prompt_tokens"], arrays["prompt_lengths"]
-        opened = np.zeros(len(row_ids), bool)
-        global_rows = [prompts.rows[i] if i >= 0 else prompts.rows[0] for i in indices]
+        opened = np.zeros(len(local_ids), bool)
         agent = host.to_device(arrays["counts"], self.engine.rows)
         out = self._scored(local, (*scored, opened), local_ids, global_rows, group, per,
-                           time.perf_counter() - t0, dict(self.engine.stats), env, mask)
-        return dataclasses.replace(out, agent=agent)
+                           rollout_s, counts, env, mask)
+        return dataclasses.replace(out, agent=agent, agent_info=dict(self.agents.info))
 
     def new_episodes(self) -> Episodes:
         """Trajectories of some rows (`Episodes.begin`) with this run's environment."""

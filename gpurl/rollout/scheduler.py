@@ -243,6 +243,16 @@ class Scheduler:
                 dropped += 1
         return dropped
 
+    def cancel(self, indices: set[int]) -> None:
+        """The unfinished requests `indices` leave their shards (their blocks released);
+        they never finish."""
+        for shard in self.shards:
+            for live in [x for x in shard.rows if x.index in indices]:
+                shard.rows.remove(live)
+                shard.release(live)
+            for live in [x for x in shard.queue if x.index in indices]:
+                shard.queue.remove(live)
+
     def flush(self) -> None:
         """Every decoding request gives its blocks back and waits at the head of its queue
         (the oldest admitted first), its tokens kept, and the prefix cache forgets every

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from gpurl.config import ConfigError, EnvConfig, RolloutConfig, RolloutMode
+from gpurl.config import ConfigError, RolloutConfig, RolloutMode
 from gpurl.rollout.collect import Collected, Collector
 from gpurl.rollout.continuous import Continuous
 from gpurl.rollout.prompts import Prompts
@@ -126,15 +126,6 @@ class OneAhead(Synchronous):
         # a round sampled ahead for the next step is not kept: a resumed run draws it again
         ahead = 1 if self.prefetched is not None else 0
         return {"data_position": float(self.collector.position - ahead)}
-
-
-def check_agents(cfg: RolloutConfig, env: EnvConfig) -> None:
-    """Agents (env=agent) play each step's trajectories within the step: every mode but
-    continuous, whose trajectories stay in flight across weight swaps."""
-    if env.agents and RolloutMode(cfg.mode) is RolloutMode.CONTINUOUS:
-        raise ConfigError("env=agent runs each step's agents within the step; set "
-                          "rollout.mode=sync or one_ahead (continuous rollouts keep "
-                          "trajectories in flight across weight swaps, which agents do not yet).")
 
 
 def check_mode(cfg: RolloutConfig, placement: str) -> None:

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -44,8 +44,9 @@ from gpurl.distributed import host
 from gpurl.models.spec import Params
 from gpurl.models.tokenizer import Tokenizer
 from gpurl.rollout.collect import AGENT_COUNTS as COUNTS
-from gpurl.rollout.engine import Engine
+from gpurl.rollout.engine import Engine, Stream
 from gpurl.rollout.prompts import Prompts
+from gpurl.rollout.requests import Completion
 from gpurl.serve.api import Defaults, Gateway, SessionState
 from gpurl.serve.app import Server, build_app
 from gpurl.serve.driver import Driver
@@ -62,6 +63,7 @@ class Outcome:
     reward: float = 0.0
     failure: str | None = None
     kind: str = "ok"
+    info: dict[str, float] = field(default_factory=dict)  # a returned dict's other numbers
 
 
 @dataclass
@@ -72,6 +74,39 @@ class Trajectory:
     thread: threading.Thread | None = None
     process: subprocess.Popen | None = None
     started: float = field(default_factory=time.monotonic)
+    url: str = ""  # its session's base URL
+    sid: str = ""  # its session's id on the gateway
+
+
+@dataclass
+class AgentGroup:
+    """One prompt's trajectories in continuous mode (`AgentRunner.begin`)."""
+
+    trajectories: list[Trajectory]
+    driver: Driver  # whose stream holds their calls
+
+    @property
+    def ended(self) -> bool:
+        return all(t.outcome is not None for t in self.trajectories)
+
+    def versions(self) -> list[int]:
+        """The policy version of every model token of its trajectories."""
+        return [v for t in self.trajectories for v in t.state.session.versions()]
+
+    def oldest(self, started: dict[int, int] | None) -> int:
+        """The version of its oldest token, counting its calls in flight (`started`: the
+        stream's first-token versions); 1 << 30 when it has none."""
+        flying = self.driver.flying({t.state.key for t in self.trajectories}) if started else []
+        return min([*self.versions(), *(started[i] for i in flying if i in started)],
+                   default=1 << 30)
+
+    def snapshot(self) -> list[dict] | None:
+        """Its ended trajectories as plain data (a checkpoint's); None while agents still
+        play (a resumed run plays the group again from its start)."""
+        if not self.ended:
+            return None
+        return [{"session": t.state.session.state(), "outcome": asdict(t.outcome)}
+                for t in self.trajectories]
 
 
 def check_agent(cfg: EnvConfig) -> str:
@@ -90,6 +125,22 @@ def check_agent(cfg: EnvConfig) -> str:
 # last iteration's time (a second wave of the turn's calls would cost a whole iteration and
 # a prefill of its own), at most 1 s.
 GATHER_FRACTION, GATHER_MAX_S = 0.25, 1.0
+
+
+class Pace:
+    """The gather window (`_gather`): a share of the last busy iteration's time. An idle
+    iteration (every agent between calls) costs nothing and does not count: counting it
+    shrank the window to nothing exactly when a turn's calls were arriving."""
+
+    def __init__(self) -> None:
+        self.last = 0.0  # seconds of the last iteration that prefilled or decoded
+
+    def window(self) -> float:
+        return min(GATHER_FRACTION * self.last, GATHER_MAX_S)
+
+    def took(self, seconds: float, busy: bool) -> None:
+        if busy:
+            self.last = seconds
 
 
 def _gather(driver: Driver, running: int, window: float) -> None:
@@ -121,7 +172,10 @@ class AgentRunner:
                                stops, cfg.tool_format, sessions={})
         self.server: Server | None = None
         self.temperature = rollout.temperature
+        self.width = cfg.max_tokens  # a trajectory row's tokens after its context, at most
         self.last: dict[str, float] = {}  # the last round's counts on this process
+        # the numbers the last rows' agents returned beside their rewards: key -> [sum, count]
+        self.info: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ one round
 
@@ -136,20 +190,12 @@ class AgentRunner:
         rows_per = self.cfg.agent_rows
         self.gateway.defaults.temperature = self.temperature if temperature is None else temperature
         self.gateway.driver = Driver(self.engine, prompt_width)
-        sessions, trajectories, urls = {}, [], []
-        for t in range(0, len(ids), rows_per):
-            if ids[t] < 0:
-                trajectories.append(None)
-                continue
-            sid, key = secrets.token_hex(8), f"gpurl-{secrets.token_urlsafe(24)}"
-            state = SessionState(key, Session(rows_per), int(seeds[t]), self.cfg.agent_max_calls,
-                                 width, time.monotonic() + self.cfg.agent_timeout_s)
-            sessions[sid] = state
-            trajectories.append(Trajectory(state, prompts.rows[ids[t]]))
-            urls.append(f"{self.server.url.rsplit('/v1', 1)[0]}/s/{sid}/v1")
-        self.gateway.sessions = sessions  # before any agent starts calling
-        for t, url in zip([t for t in trajectories if t is not None], urls):
-            self._start(t, url)
+        self.gateway.sessions = {}
+        trajectories = [self._session(prompts.rows[ids[t]], int(seeds[t]), width)
+                        if ids[t] >= 0 else None for t in range(0, len(ids), rows_per)]
+        for t in trajectories:
+            if t is not None:
+                self._start(t)
         try:
             self._drive(params, [t for t in trajectories if t is not None])
         finally:
@@ -158,11 +204,21 @@ class AgentRunner:
         self._report([t for t in trajectories if t is not None])
         return self._arrays(trajectories, prompts, ids, per_prompt_rows, prompt_width, width)
 
+    def _session(self, row: dict, seed: int, width: int) -> Trajectory:
+        """A trajectory's session on the gateway (its id and key new), not yet started."""
+        sid, key = secrets.token_hex(8), f"gpurl-{secrets.token_urlsafe(24)}"
+        state = SessionState(key, Session(self.cfg.agent_rows), seed, self.cfg.agent_max_calls,
+                             width, time.monotonic() + self.cfg.agent_timeout_s)
+        self.gateway.sessions[sid] = state  # before its agent starts calling
+        return Trajectory(state, row, url=f"{self.server.url.rsplit('/v1', 1)[0]}/s/{sid}/v1",
+                          sid=sid)
+
     def close(self) -> None:
         """Stops the gateway (its port is free again). An agent still blocking its own
         thread keeps that thread until it returns: Python cannot stop a thread, but its
         trajectory has ended and the gateway serves it nothing more."""
         if self.server is not None:
+            self.gateway.driver.cancel()  # every call still waiting is answered first
             self.server.stop()
             self.server = None
 
@@ -182,8 +238,7 @@ class AgentRunner:
         while other agents are still between calls (reading a reply, running a tool) are
         gathered for a moment (`_gather`), so that a turn's calls join the engine together
         rather than in waves that each decode alone."""
-        driver = self.gateway.driver
-        last_step = 0.0
+        driver, pace = self.gateway.driver, Pace()
         while True:
             for t in live:
                 if t.outcome is None:
@@ -192,16 +247,97 @@ class AgentRunner:
             left = running + driver.pending()
             if not host.any_process(left > 0):
                 return
-            _gather(driver, running, min(GATHER_FRACTION * last_step, GATHER_MAX_S))
+            _gather(driver, running, pace.window())
             start = time.perf_counter()
             busy = driver.step(params)
-            last_step = time.perf_counter() - start
+            pace.took(time.perf_counter() - start, busy)
             if not busy and left:
                 driver.wait(0.002)
 
+    # ------------------------------------------------------------------ continuous mode
+    # (`gpurl.rollout.continuous`): the run's stream, iterated by its batch source, takes
+    # the agents' calls; each prompt group's trajectories start when the group is drawn
+    # and are trained once all of them ended.
+
+    def attach(self, stream: Stream, prompt_width: int, width: int) -> None:
+        """The agents' calls join `stream` (the run's); a trajectory row holds at most
+        `width` tokens after the context it started from."""
+        if self.server is None:
+            self.server = Server(build_app(self.gateway, None, self._refused)).start()
+        self.gateway.defaults.temperature = self.temperature
+        self.gateway.driver = Driver(self.engine, prompt_width)
+        self.gateway.driver.stream = stream
+        self.gateway.sessions = {}
+        self.width = width
+
+    def begin(self, row: dict, seeds: np.ndarray) -> AgentGroup:
+        """A prompt's trajectories started, one per env.agent_rows of its rows' `seeds`."""
+        group = AgentGroup([self._session(row, int(s), self.width)
+                            for s in seeds[::self.cfg.agent_rows]], self.gateway.driver)
+        for t in group.trajectories:
+            self._start(t)
+        return group
+
+    def admit(self) -> None:
+        """The calls that arrived join the stream (before an iteration)."""
+        self.gateway.driver.admit()
+
+    def deliver(self, index: int, completion: Completion) -> bool:
+        """A finished request: an agent call's (answered), or not an agent's (False)."""
+        return self.gateway.driver.deliver(index, completion)
+
+    def served(self, busy: bool) -> None:
+        """After an iteration: streaming calls get their new tokens; an idle engine waits
+        a moment for the agents' next calls."""
+        self.gateway.driver.streamed()
+        if not busy:
+            self.gateway.driver.wait(0.002)
+
+    def ended(self, group: AgentGroup) -> bool:
+        """Whether every trajectory of `group` ended (those past their time end now)."""
+        for t in group.trajectories:
+            if t.outcome is None:
+                self._poll(t)
+                if t.outcome is not None and t.outcome.kind == "timeout":
+                    self.gateway.driver.cancel({t.state.key})
+        return group.ended
+
+    def end(self, group: AgentGroup) -> None:
+        """`group`'s sessions leave the gateway (trained, or to be played again): their
+        calls are refused, those in the engine dropped, its programs killed."""
+        driver = self.gateway.driver
+        driver.cancel({t.state.key for t in group.trajectories})
+        for t in group.trajectories:
+            self.gateway.sessions.pop(t.sid, None)
+            if t.outcome is None:
+                t.state.failure = "played again"
+                if t.process is not None:
+                    _kill(t.process)
+
+    def report(self, groups: Sequence[AgentGroup]) -> None:
+        """The line on trajectories that ended early, of groups a step trains."""
+        self._report([t for g in groups for t in g.trajectories])
+
+    def arrays(self, groups: Sequence[AgentGroup], prompts: Prompts, indices: Sequence[int],
+               per_prompt_rows: int, prompt_width: int, width: int) -> dict[str, np.ndarray]:
+        """`run`'s rows of `groups` (of prompts `indices`), one group after another."""
+        trajectories: list[Trajectory | None] = [t for g in groups for t in g.trajectories]
+        ids = np.repeat(np.asarray(indices), per_prompt_rows)
+        return self._arrays(trajectories, prompts, ids, per_prompt_rows, prompt_width, width)
+
+    def restored(self, state: list[dict], row: dict) -> AgentGroup:
+        """An ended group from its `AgentGroup.snapshot`."""
+        trajectories = []
+        for data in state:
+            session = SessionState("", Session.from_state(data["session"]), 0, 0, self.width, 0.0)
+            trajectories.append(Trajectory(session, row, Outcome(**data["outcome"])))
+        return AgentGroup(trajectories, self.gateway.driver)
+
     # ------------------------------------------------------------------ agents
 
-    def _start(self, t: Trajectory, url: str) -> None:
+    def _start(self, t: Trajectory) -> None:
+        url = t.url
+        t.started = time.monotonic()
         if self.solve is not None:
             t.thread = threading.Thread(target=self._play, args=(t, url), daemon=True,
                                         name="gpurl-agent")
@@ -282,7 +418,9 @@ class AgentRunner:
             return Outcome(failure=f"returned {type(value).__name__} {str(value)[:80]!r}, not "
                                    f"a finite reward (a number, or a dict with \"reward\")",
                            kind="reward")
-        return Outcome(reward=float(reward))
+        info = ({k: float(v) for k, v in value.items() if k != "reward" and isinstance(v, (int, float))
+                 and not isinstance(v, bool) and np.isfinite(v)} if isinstance(value, dict) else {})
+        return Outcome(reward=float(reward), info=info)
 
     def _refused(self, state: SessionState, reason: str) -> None:
         """A session's refused call: past a limit, its trajectory has ended."""
@@ -307,6 +445,7 @@ class AgentRunner:
             group = trajectories[start // rows_per:(start + per_prompt_rows) // rows_per]
             self._group(out, start, group, prompts, ids[start], prompt_width, width)
         self.last = {k: float(out["counts"][:, i].sum()) for i, k in enumerate(COUNTS)}
+        self.info = _info([t.outcome for t in trajectories if t is not None and t.outcome])
         return out
 
     def _group(self, out: dict, start: int, group: list[Trajectory | None], prompts: Prompts,
@@ -349,6 +488,17 @@ class AgentRunner:
             kinds = [float(outcome.kind == k) for k in ("raised", "timeout", "limit", "reward")]
             out["counts"][first] = (float(failed), *kinds, session.calls, session.forks,
                                     session.dropped, truncated)
+
+
+def _info(outcomes: Sequence[Outcome]) -> dict[str, list[float]]:
+    """Each number agents returned beside their rewards: [sum, how many returned it]."""
+    out: dict[str, list[float]] = {}
+    for o in outcomes:
+        for k, v in o.info.items():
+            total = out.setdefault(k, [0.0, 0.0])
+            total[0] += v
+            total[1] += 1
+    return out
 
 
 def _final_turn(session: Session) -> list[int]:

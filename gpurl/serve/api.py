@@ -113,6 +113,7 @@ class Call:
     logprobs: bool
     top_logprobs: int
     tools: bool  # parse tool calls in completions
+    session: str | None = None  # the key of the training session that made it
 
 
 def _limits(gw: Gateway, body: Any, prompt: list[int], state: SessionState | None) -> int:
@@ -157,7 +158,8 @@ def chat_call(gw: Gateway, body: ChatRequest, state: SessionState | None) -> Cal
         state.session.extend(prompt)
     limit = _limits(gw, body, prompt, state)
     return Call(prompt, _requests(gw, body, prompt, limit, state), body.stops(), body.logprobs,
-                body.top_logprobs or 0, bool(body.tools) and body.tool_choice != "none")
+                body.top_logprobs or 0, bool(body.tools) and body.tool_choice != "none",
+                state.key if state is not None else None)
 
 
 def completion_call(gw: Gateway, body: CompletionRequest, state: SessionState | None) -> Call:
@@ -176,7 +178,8 @@ def completion_call(gw: Gateway, body: CompletionRequest, state: SessionState | 
         state.text = body.prompt if isinstance(body.prompt, str) else ""
     limit = _limits(gw, body, prompt, state)
     return Call(prompt, _requests(gw, body, prompt, limit, state), body.stops(),
-                body.logprobs is not None, body.logprobs or 0, False)
+                body.logprobs is not None, body.logprobs or 0, False,
+                state.key if state is not None else None)
 
 
 def _text_prompt(tok: Tokenizer, text: str, state: SessionState | None) -> list[int]:
@@ -218,8 +221,12 @@ async def run_call(gw: Gateway, call: Call, on_tokens: Callable[[int, list[int]]
     def progress(choice: int, tokens: list[int], _: list[float]) -> None:
         loop.call_soon_threadsafe(on_tokens, choice, tokens)
 
-    gw.driver.submit(call.requests, done, progress if on_tokens is not None else None)
-    return await future
+    gw.driver.submit(call.requests, done, progress if on_tokens is not None else None,
+                     call.session)
+    completions = await future
+    if not completions:  # dropped by the driver: the trajectory ended meanwhile
+        raise RequestError("this trajectory has ended", status=400, code="trajectory_ended")
+    return completions
 
 
 # ---------------------------------------------------------------- answers
@@ -236,12 +243,14 @@ class Choice:
     text: str
     finish: str  # stop | length
     stop: str | int | None = None
+    versions: list[int] = field(default_factory=list)  # the policy version of each token
 
 
 def finish(gw: Gateway, c: Completion, stops: tuple[str, ...]) -> Choice:
     """The completion cut at its first stop string: the text before it, the tokens up to
     the one that completed it (what was sampled and fed stays in the history)."""
     tokens, logprobs = [int(t) for t in c.tokens], [float(x) for x in c.logprobs]
+    versions = [int(v) for v in c.versions] if c.versions is not None else [0] * len(tokens)
     text = gw.tokenizer.decode(tokens)
     if stops:
         cut = truncate(text, stops)
@@ -250,12 +259,13 @@ def finish(gw: Gateway, c: Completion, stops: tuple[str, ...]) -> Choice:
                         if len(truncate(gw.tokenizer.decode(tokens[:i + 1]), stops))
                         < len(gw.tokenizer.decode(tokens[:i + 1])))
             found = min((s for s in stops if text.startswith(s, len(cut))), key=len)
-            return Choice(tokens[:keep], logprobs[:keep], cut, "stop", found)
+            return Choice(tokens[:keep], logprobs[:keep], cut, "stop", found, versions[:keep])
     if c.stopped:  # on a stop id: the engine's own stop strings are cut too
         cut = truncate(text, gw.stop_strings)
         found = next((s for s in gw.stop_strings if text.startswith(s, len(cut))), tokens[-1])
-        return Choice(tokens, logprobs, cut, "stop", found if len(cut) < len(text) else tokens[-1])
-    return Choice(tokens, logprobs, text, "length")
+        return Choice(tokens, logprobs, cut, "stop", found if len(cut) < len(text) else tokens[-1],
+                      versions)
+    return Choice(tokens, logprobs, text, "length", None, versions)
 
 
 def _token_text(tok: Tokenizer, i: int) -> tuple[str, list[int]]:
@@ -280,7 +290,7 @@ def record(gw: Gateway, state: SessionState | None, message: dict, choice: Choic
     text = gw.tokenizer.decode(choice.tokens)
     sampled.remember(message, choice.tokens, text)
     if state is not None:
-        state.session.sample(choice.tokens, choice.logprobs)
+        state.session.sample(choice.tokens, choice.logprobs, choice.versions)
         state.drawn += len(choice.tokens)
         state.text += text
 
@@ -369,6 +379,12 @@ async def _deltas(gw: Gateway, call: Call, whole: bool = False) -> AsyncIterator
     yield None, task.result(), sent
 
 
+def _error_event(e: RequestError) -> str:
+    """An error as the last server-sent event of a stream (its status is already sent)."""
+    error = {"message": str(e), "type": "invalid_request_error", "param": e.param, "code": e.code}
+    return f"data: {json.dumps({'error': error})}\n\n"
+
+
 def _wants_usage(body: ChatRequest | CompletionRequest) -> bool:
     return bool((body.stream_options or {}).get("include_usage"))
 
@@ -388,11 +404,15 @@ async def chat_events(gw: Gateway, body: ChatRequest, call: Call,
     for index in range(len(call.requests)):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                       "finish_reason": None}])
-    async for index, *piece in _deltas(gw, call, whole=bool(call.tools)):
-        if index is not None:
-            yield chunk([{"index": index, "delta": {"content": piece[0]}, "finish_reason": None}])
-            continue
-        completions, sent = piece
+    try:
+        async for index, *piece in _deltas(gw, call, whole=bool(call.tools)):
+            if index is not None:
+                yield chunk([{"index": index, "delta": {"content": piece[0]}, "finish_reason": None}])
+                continue
+            completions, sent = piece
+    except RequestError as e:  # the trajectory ended while the call waited
+        yield _error_event(e)
+        return
     full = chat_response(gw, body, call, completions, state)
     for index, choice in enumerate(full["choices"]):
         message, delta = choice["message"], {}
@@ -425,13 +445,17 @@ async def completion_events(gw: Gateway, body: CompletionRequest, call: Call,
 
     echoed = gw.tokenizer.decode(call.prompt) if body.echo else ""
     begun: set[int] = set()
-    async for index, *piece in _deltas(gw, call):
-        if index is not None:  # a choice's first piece carries the echoed prompt
-            text = piece[0] if index in begun else echoed + piece[0]
-            begun.add(index)
-            yield chunk([{"index": index, "text": text, "finish_reason": None}])
-            continue
-        completions, sent = piece
+    try:
+        async for index, *piece in _deltas(gw, call):
+            if index is not None:  # a choice's first piece carries the echoed prompt
+                text = piece[0] if index in begun else echoed + piece[0]
+                begun.add(index)
+                yield chunk([{"index": index, "text": text, "finish_reason": None}])
+                continue
+            completions, sent = piece
+    except RequestError as e:  # the trajectory ended while the call waited
+        yield _error_event(e)
+        return
     full = completion_response(gw, body, call, completions, state)
     for index, choice in enumerate(full["choices"]):
         rest = choice["text"][len(echoed) + sent[index]:] if sent[index] else choice["text"]

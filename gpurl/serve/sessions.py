@@ -19,7 +19,7 @@ the one holding the final answer among them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 
@@ -92,6 +92,18 @@ class Session:
     def context(self) -> list[int]:
         """The current row's tokens: what the next call's prompt is, when it extends."""
         return list(self.rows[-1].tokens) if self.rows else []
+
+    def versions(self) -> list[int]:
+        """The policy version of each model token its rows hold."""
+        return [v for r in self.rows for v, s in zip(r.versions, r.sampled) if s]
+
+    def state(self) -> dict:
+        """The session as plain data (a checkpoint's), `from_state` rebuilds it."""
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, data: dict) -> Session:
+        return cls(**{**data, "rows": [Row(**r) for r in data["rows"]]})
 
 
 def common_prefix(rows: Sequence[Sequence[int]]) -> int:

@@ -32,7 +32,7 @@ from gpurl.distributed.mesh import batch_shards, mesh_sizes, rollout_per_process
 from gpurl.models import loading
 from gpurl.rewards import from_config as load_rewards
 from gpurl.rollout.multiturn import EnvFactory
-from gpurl.rollout.sources import check_agents, check_mode
+from gpurl.rollout.sources import check_mode
 from gpurl.rollout.suites import load_rows as load_suite_rows
 from gpurl.serve.agents import check_agent
 
@@ -63,7 +63,6 @@ def check_context(cfg: Config, algorithm: registry.Algorithm) -> None:
     if cfg.env.agents and algorithm.family != Family.RL:
         raise ConfigError(f"env=agent plays RL trajectories, not algo={cfg.algo.name}'s "
                           f"batches; choose an RL algorithm (algo=grpo) or drop env=agent.")
-    check_agents(cfg.rollout, cfg.env)
 
 
 def check_experts(model: ModelConfig, shape: dict[str, int], rules: Any) -> None:
