@@ -213,7 +213,7 @@ def _agent_config(tmp_path, env: dict, **rollout: Any):
     return make_config(
         algo={"name": "grpo", "num_generations": 4, "beta": 0.0},
         model=dict(TINY_MODEL, tokenizer="bytes"), mesh={"placement": "split", "rollout_devices": 1},
-        data={"name": "arithmetic", "num_train": 32, "num_eval": 0, "max_len": 64},
+        data={"name": "arithmetic", "num_train": 32, "num_eval": 4, "max_len": 64},
         optim={"lr": 1e-30, "warmup_steps": 0, "decay": "constant"},  # updates round away
         train={"steps": 3, "batch_size": 4, "eval_every": 0, "checkpoint_every": 0},
         rollout={"max_new_tokens": 6, "decode_chunk": 2, "mode": "continuous", "swap_chunks": 1,
@@ -231,7 +231,8 @@ def test_agents_play_in_the_continuous_stream_as_environments_do(tmp_path):
     join the run's stream and span weight swaps, every model token records its version and
     none trained is older than the bound; with one batch in flight the steps train the same
     trajectories as the in-process environment (the same tokens: rewards, turns and losses
-    equal to fp32 rounding)."""
+    equal to fp32 rounding), and an evaluation between steps plays its own sessions on its
+    own stream and scores what the environment's does."""
     from gpurl.distributed.mesh import using_devices
     from gpurl.train.loop import build
 
@@ -244,7 +245,9 @@ def test_agents_play_in_the_continuous_stream_as_environments_do(tmp_path):
             state, metrics = setup.init(), []
             for step in range(3):
                 state, m = stepper.step(state, step)
-                metrics.append({k: float(v) for k, v in m.items()})
+                # held-out rows played greedily beside the run's stream (its own sessions)
+                metrics.append({**{k: float(v) for k, v in m.items()},
+                                **stepper.evaluate(state.params)})
             stepper.close()
             return metrics, trained
 
@@ -253,7 +256,8 @@ def test_agents_play_in_the_continuous_stream_as_environments_do(tmp_path):
                             max_lag=1, in_flight=1))[0]
     for step, (a, e, versions) in enumerate(zip(agents, env, trained)):
         assert a["agent/calls"] == 3 and a["agent/failed"] == 0
-        for key in ("reward/mean", "reward/std", "loss", "env/turns", "completion/length"):
+        for key in ("reward/mean", "reward/std", "loss", "env/turns", "completion/length",
+                    "eval/reward", "eval/accuracy"):
             assert a[key] == pytest.approx(e[key], rel=1e-6, abs=1e-7), key
         tokens = np.concatenate([np.asarray(v) for v in versions])
         assert len(versions) == 4 and tokens.min() >= step - 1 and tokens.max() <= step
@@ -293,7 +297,7 @@ def test_a_checkpoint_keeps_ended_agent_groups_and_plays_the_others_again(tmp_pa
                     source.agents.deliver(index, completion)
                 source.agents.served(busy)
             rl_agents.HOLD.set()  # the held agents' first calls are in the stream at the checkpoint
-            driver = source.agents.gateway.driver
+            driver = source.agents.continuous
             while driver.queued() < 4 * len(waiting):
                 time.sleep(0.01)
             source.agents.admit()

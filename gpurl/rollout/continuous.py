@@ -276,9 +276,8 @@ class Continuous:
                 self._add(int(prompt), seeds[at:at + g], position)
 
     def _add(self, prompt: int, seeds: np.ndarray, position: int) -> None:
-        gid = self._ids
         if self.agents is not None:  # its agents start; their calls join as they come
-            self._ids += 1
+            gid, self._ids = self._ids, self._ids + 1
             self.groups[gid] = Group(prompt, seeds, [], agents=self.agents.begin(
                 self.prompts.rows[prompt], seeds))
             self.drawn_at[gid] = position

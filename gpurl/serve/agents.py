@@ -168,8 +168,11 @@ class AgentRunner:
         defaults = Defaults(rollout.temperature, rollout.top_p, rollout.top_k,
                             rollout.max_new_tokens, 0)
         stops = tuple(rollout.stop) + tuple(cfg.stop)
+        # every session names the stream its calls join: a round's own (`run`), or in
+        # continuous mode the run's (`continuous`, `attach`)
         self.gateway = Gateway(Driver(engine), tokenizer, stop_ids, "gpurl-policy", defaults,
                                stops, cfg.tool_format, sessions={})
+        self.continuous = Driver(engine)
         self.server: Server | None = None
         self.temperature = rollout.temperature
         self.width = cfg.max_tokens  # a trajectory row's tokens after its context, at most
@@ -188,27 +191,32 @@ class AgentRunner:
         if self.server is None:
             self.server = Server(build_app(self.gateway, None, self._refused)).start()
         rows_per = self.cfg.agent_rows
-        self.gateway.defaults.temperature = self.temperature if temperature is None else temperature
-        self.gateway.driver = Driver(self.engine, prompt_width)
-        self.gateway.sessions = {}
-        trajectories = [self._session(prompts.rows[ids[t]], int(seeds[t]), width)
+        # a round's own stream: a continuous run's (`attach`) goes on beside an evaluation's
+        driver = Driver(self.engine, prompt_width)
+        temperature = self.temperature if temperature is None else temperature
+        trajectories = [self._session(prompts.rows[ids[t]], int(seeds[t]), width, driver,
+                                      temperature)
                         if ids[t] >= 0 else None for t in range(0, len(ids), rows_per)]
-        for t in trajectories:
-            if t is not None:
-                self._start(t)
+        played = [t for t in trajectories if t is not None]
+        for t in played:
+            self._start(t)
         try:
-            self._drive(params, [t for t in trajectories if t is not None])
+            self._drive(params, played, driver)
         finally:
-            self.gateway.driver.close()
-            self.gateway.sessions = {}
-        self._report([t for t in trajectories if t is not None])
+            driver.close()
+            for t in played:
+                self.gateway.sessions.pop(t.sid, None)
+        self._report(played)
         return self._arrays(trajectories, prompts, ids, per_prompt_rows, prompt_width, width)
 
-    def _session(self, row: dict, seed: int, width: int) -> Trajectory:
-        """A trajectory's session on the gateway (its id and key new), not yet started."""
+    def _session(self, row: dict, seed: int, width: int, driver: Driver,
+                 temperature: float) -> Trajectory:
+        """A trajectory's session on the gateway (its id and key new; its calls join
+        `driver`'s stream), not yet started."""
         sid, key = secrets.token_hex(8), f"gpurl-{secrets.token_urlsafe(24)}"
         state = SessionState(key, Session(self.cfg.agent_rows), seed, self.cfg.agent_max_calls,
-                             width, time.monotonic() + self.cfg.agent_timeout_s)
+                             width, time.monotonic() + self.cfg.agent_timeout_s,
+                             driver=driver, temperature=temperature)
         self.gateway.sessions[sid] = state  # before its agent starts calling
         return Trajectory(state, row, url=f"{self.server.url.rsplit('/v1', 1)[0]}/s/{sid}/v1",
                           sid=sid)
@@ -218,7 +226,7 @@ class AgentRunner:
         thread keeps that thread until it returns: Python cannot stop a thread, but its
         trajectory has ended and the gateway serves it nothing more."""
         if self.server is not None:
-            self.gateway.driver.cancel()  # every call still waiting is answered first
+            self.continuous.cancel()  # every call still waiting is answered first
             self.server.stop()
             self.server = None
 
@@ -233,12 +241,12 @@ class AgentRunner:
               f"env.error_reward ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}); "
               f"the first: {failed[0].failure}", file=sys.stderr, flush=True)
 
-    def _drive(self, params: Params, live: list[Trajectory]) -> None:
+    def _drive(self, params: Params, live: list[Trajectory], driver: Driver) -> None:
         """The engine's loop until no process has an agent left running. Calls that arrive
         while other agents are still between calls (reading a reply, running a tool) are
         gathered for a moment (`_gather`), so that a turn's calls join the engine together
         rather than in waves that each decode alone."""
-        driver, pace = self.gateway.driver, Pace()
+        pace = Pace()
         while True:
             for t in live:
                 if t.outcome is None:
@@ -264,34 +272,32 @@ class AgentRunner:
         `width` tokens after the context it started from."""
         if self.server is None:
             self.server = Server(build_app(self.gateway, None, self._refused)).start()
-        self.gateway.defaults.temperature = self.temperature
-        self.gateway.driver = Driver(self.engine, prompt_width)
-        self.gateway.driver.stream = stream
-        self.gateway.sessions = {}
+        self.continuous.prefill_width, self.continuous.stream = prompt_width, stream
         self.width = width
 
     def begin(self, row: dict, seeds: np.ndarray) -> AgentGroup:
         """A prompt's trajectories started, one per env.agent_rows of its rows' `seeds`."""
-        group = AgentGroup([self._session(row, int(s), self.width)
-                            for s in seeds[::self.cfg.agent_rows]], self.gateway.driver)
+        group = AgentGroup([self._session(row, int(s), self.width, self.continuous,
+                                          self.temperature)
+                            for s in seeds[::self.cfg.agent_rows]], self.continuous)
         for t in group.trajectories:
             self._start(t)
         return group
 
     def admit(self) -> None:
         """The calls that arrived join the stream (before an iteration)."""
-        self.gateway.driver.admit()
+        self.continuous.admit()
 
     def deliver(self, index: int, completion: Completion) -> bool:
         """A finished request: an agent call's (answered), or not an agent's (False)."""
-        return self.gateway.driver.deliver(index, completion)
+        return self.continuous.deliver(index, completion)
 
     def served(self, busy: bool) -> None:
         """After an iteration: streaming calls get their new tokens; an idle engine waits
         a moment for the agents' next calls."""
-        self.gateway.driver.streamed()
+        self.continuous.streamed()
         if not busy:
-            self.gateway.driver.wait(0.002)
+            self.continuous.wait(0.002)
 
     def ended(self, group: AgentGroup) -> bool:
         """Whether every trajectory of `group` ended (those past their time end now)."""
@@ -299,14 +305,13 @@ class AgentRunner:
             if t.outcome is None:
                 self._poll(t)
                 if t.outcome is not None and t.outcome.kind == "timeout":
-                    self.gateway.driver.cancel({t.state.key})
+                    self.continuous.cancel({t.state.key})
         return group.ended
 
     def end(self, group: AgentGroup) -> None:
         """`group`'s sessions leave the gateway (trained, or to be played again): their
         calls are refused, those in the engine dropped, its programs killed."""
-        driver = self.gateway.driver
-        driver.cancel({t.state.key for t in group.trajectories})
+        self.continuous.cancel({t.state.key for t in group.trajectories})
         for t in group.trajectories:
             self.gateway.sessions.pop(t.sid, None)
             if t.outcome is None:
@@ -331,7 +336,7 @@ class AgentRunner:
         for data in state:
             session = SessionState("", Session.from_state(data["session"]), 0, 0, self.width, 0.0)
             trajectories.append(Trajectory(session, row, Outcome(**data["outcome"])))
-        return AgentGroup(trajectories, self.gateway.driver)
+        return AgentGroup(trajectories, self.continuous)
 
     # ------------------------------------------------------------------ agents
 

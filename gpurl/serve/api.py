@@ -63,6 +63,8 @@ class SessionState:
     failure: str | None = None  # the reason its trajectory ended early
     text: str = ""  # the current row as text (the prompts and completions it was given)
     drawn: int = 0  # tokens sampled in the trajectory so far
+    driver: Driver | None = None  # the engine stream its calls join (None: the gateway's)
+    temperature: float | None = None  # its calls' sampling temperature (None: the gateway's)
 
 
 @dataclass
@@ -114,6 +116,7 @@ class Call:
     top_logprobs: int
     tools: bool  # parse tool calls in completions
     session: str | None = None  # the key of the training session that made it
+    driver: Driver | None = None  # the stream it joins (None: the gateway's)
 
 
 def _limits(gw: Gateway, body: Any, prompt: list[int], state: SessionState | None) -> int:
@@ -135,7 +138,8 @@ def _requests(gw: Gateway, body: Any, prompt: list[int], limit: int,
               state: SessionState | None) -> list[Request]:
     d = gw.defaults
     if state is not None:  # the run's policy, the trajectory's sampling stream
-        return [Request(tuple(prompt), limit, d.temperature, d.top_k, d.top_p, state.seed,
+        temperature = d.temperature if state.temperature is None else state.temperature
+        return [Request(tuple(prompt), limit, temperature, d.top_k, d.top_p, state.seed,
                         offset=state.drawn)]
     seed = body.seed if body.seed is not None else secrets.randbelow(1 << 31)
     temperature = d.temperature if body.temperature is None else body.temperature
@@ -159,7 +163,7 @@ def chat_call(gw: Gateway, body: ChatRequest, state: SessionState | None) -> Cal
     limit = _limits(gw, body, prompt, state)
     return Call(prompt, _requests(gw, body, prompt, limit, state), body.stops(), body.logprobs,
                 body.top_logprobs or 0, bool(body.tools) and body.tool_choice != "none",
-                state.key if state is not None else None)
+                *_owner(state))
 
 
 def completion_call(gw: Gateway, body: CompletionRequest, state: SessionState | None) -> Call:
@@ -178,8 +182,12 @@ def completion_call(gw: Gateway, body: CompletionRequest, state: SessionState | 
         state.text = body.prompt if isinstance(body.prompt, str) else ""
     limit = _limits(gw, body, prompt, state)
     return Call(prompt, _requests(gw, body, prompt, limit, state), body.stops(),
-                body.logprobs is not None, body.logprobs or 0, False,
-                state.key if state is not None else None)
+                body.logprobs is not None, body.logprobs or 0, False, *_owner(state))
+
+
+def _owner(state: SessionState | None) -> tuple[str | None, Driver | None]:
+    """(the session's key, the stream its calls join) of a call, or (None, None)."""
+    return (None, None) if state is None else (state.key, state.driver)
 
 
 def _text_prompt(tok: Tokenizer, text: str, state: SessionState | None) -> list[int]:
@@ -221,8 +229,8 @@ async def run_call(gw: Gateway, call: Call, on_tokens: Callable[[int, list[int]]
     def progress(choice: int, tokens: list[int], _: list[float]) -> None:
         loop.call_soon_threadsafe(on_tokens, choice, tokens)
 
-    gw.driver.submit(call.requests, done, progress if on_tokens is not None else None,
-                     call.session)
+    (call.driver or gw.driver).submit(call.requests, done,
+                                      progress if on_tokens is not None else None, call.session)
     completions = await future
     if not completions:  # dropped by the driver: the trajectory ended meanwhile
         raise RequestError("this trajectory has ended", status=400, code="trajectory_ended")
