@@ -16,7 +16,7 @@ import transformers
 from PIL import Image
 
 from gpurl.config import ConfigError
-from gpurl.data.images import gemma3_pixels, open_image
+from gpurl.data.images import gemma3_pixels, open_image, qwen_pixels
 from gpurl.models.vision import VisionSpec, image_features, init_params, load_hf
 
 # A tiny Gemma 3 multimodal checkpoint: 64-pixel images in 8-pixel patches (8 x 8 = 64
@@ -83,6 +83,30 @@ def test_random_towers_have_the_loaded_shapes(gemma3_vlm):
            for k, v in state.items()}
     from_hub = load_hf(spec, hub)
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), loaded, from_hub)))
+
+
+@pytest.mark.slow  # transformers' import
+def test_qwen_pixels_and_grids_equal_transformers_processor():
+    """Qwen2-VL's dynamic resolution: images scaled down into the pixel budget, up to its
+    floor, or only rounded, give transformers' pixel values (its patch order) and grids."""
+    images = _images() + [Image.fromarray(np.full((300, 500, 3), 200, np.uint8))]
+    budget = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    processor = transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil(
+        size={"shortest_edge": budget["min_pixels"], "longest_edge": budget["max_pixels"]})
+    theirs = processor(images=images, return_tensors="np")
+    ours = [qwen_pixels(im, **budget) for im in images]
+    np.testing.assert_array_equal(np.asarray([o.grid for o in ours]), theirs["image_grid_thw"])
+    np.testing.assert_allclose(np.concatenate([o.patches for o in ours]),
+                               theirs["pixel_values"], atol=1e-5)
+    assert [o.tokens for o in ours] == [int(np.prod(g)) // 4 for g in theirs["image_grid_thw"]]
+    assert all(4 <= o.tokens <= 16 for o in ours)  # 28 x 28 pixels per image token
+
+
+def test_an_image_too_narrow_for_the_budget_is_one_sentence():
+    with pytest.raises(ConfigError, match=r"^row 3's image is 1000 x 4 pixels, more than 200 "
+                                          r"times as wide as high \(or high as wide\); crop it "
+                                          r"before training\.$"):
+        qwen_pixels(Image.new("RGB", (1000, 4)), where="row 3's image")
 
 
 def _png(size=(8, 8)) -> bytes:
