@@ -140,3 +140,12 @@ def test_math_verify_without_the_package_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)
     with pytest.raises(ImportError, match=r"pip install math-verify"):
         math_verify([""], ["1"], ["1"])
+
+
+def test_first_line_match_reads_the_first_line_blind_to_case_and_spaces():
+    from gpurl.rewards.builtin import first_line_match
+
+    assert first_line_match(["p"] * 4, [" Top Left\nbottom left", "top right", " bottom",
+                                        "\ntop left"],
+                            answer=["top left", "top left", "bottom left", "top left"]
+                            ) == [1.0, 0.0, 0.0, 1.0]

@@ -263,7 +263,7 @@ def test_jsonl_prompt_errors(tmp_path: Path) -> None:
 
 def test_every_source_has_default_rewards_that_resolve() -> None:
     names = {"arithmetic", "arithmetic_prefs", "countdown", "gsm8k", "math", "jsonl", "hf",
-             "calculator", "guess_number"}
+             "calculator", "guess_number", "quadrant"}
     assert set(TASK_REWARDS) == names
     for name in names:
         cfg = DataConfig(name=name, path="x.jsonl", dataset="owner/name")

@@ -38,8 +38,8 @@ def row_hidden(spec: Any, params: Any, batch: Batch) -> jax.Array:
     """Final-norm hidden states of token rows (SFT, logit distillation), B x T x D; rows
     split over the context axis run with their tokens split (`split_tokens`)."""
     inputs = (batch["tokens"], batch["positions"], batch["segment_ids"])
-    if "targets" not in batch:
-        return spec.hidden(params, *inputs)[0]
+    if "targets" not in batch:  # a vision-language model's rows carry their images
+        return spec.hidden(params, *inputs, pixels=batch.get("pixels"))[0]
     with split_tokens():
         return spec.hidden(params, *inputs)[0]
 

@@ -26,7 +26,7 @@ from gpurl.config.algo import (Advantage, AlgoConfig, CriticBackbone, CriticConf
                                KDConfig, KLControlConfig, KLEstimator, LossAgg, OPDConfig,
                                ORPOConfig, PolicyGradientConfig, PPOConfig, RewardModelConfig,
                                SFTConfig, SimPOConfig, TeacherConfig, TISLevel)
-from gpurl.config.model import LoraConfig, MoEConfig, ModelConfig
+from gpurl.config.model import LoraConfig, MoEConfig, ModelConfig, VisionConfig
 from gpurl.config.run import (LoggerName, Placement, RolloutMode, OptimConfig, TrainConfig,
                               RolloutConfig, MeshConfig, LoggerConfig, RunConfig, DistributedConfig,
                               RewardsConfig, PlanConfig, Config, GenerateConfig, EvalConfig,
@@ -37,7 +37,7 @@ __all__ = ["DTYPES", "ConfigError", "lookup", "DataConfig", "EnvConfig", "Advant
            "DPOConfig", "DPOLoss", "GRPOConfig", "ImportanceRatio", "TISLevel", "KDConfig",
            "KLControlConfig", "KLEstimator", "LossAgg", "OPDConfig", "ORPOConfig",
            "PolicyGradientConfig", "PPOConfig", "RewardModelConfig", "SFTConfig", "SimPOConfig",
-           "TeacherConfig", "LoraConfig", "MoEConfig", "ModelConfig", "LoggerName", "Placement",
+           "TeacherConfig", "LoraConfig", "MoEConfig", "ModelConfig", "VisionConfig", "LoggerName", "Placement",
            "RolloutMode", "OptimConfig", "TrainConfig", "RolloutConfig", "MeshConfig", "LoggerConfig",
            "RunConfig", "DistributedConfig", "RewardsConfig", "PlanConfig", "Config",
            "GenerateConfig", "EvalConfig", "ServeConfig"]

@@ -13,7 +13,7 @@ from gpurl.config.checks import choice as _choice, positive as _positive, tuplif
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = "arithmetic"  # source: arithmetic, arithmetic_prefs, countdown, calculator or guess_number (generated), jsonl (+ data.path), gsm8k or math (+ data.path, else their preset's data.dataset), hf (+ data.dataset)
+    name: str = "arithmetic"  # source: arithmetic, arithmetic_prefs, countdown, calculator, guess_number or quadrant (generated; quadrant has images, for a vision-language model), jsonl (+ data.path), gsm8k or math (+ data.path, else their preset's data.dataset), hf (+ data.dataset)
     # data=jsonl: a jsonl, json, parquet, csv or arrow file or a save_to_disk directory, in
     # gpurl's, TRL's or verl's layout (docs/data.md); gsm8k rows {"question","answer"}; math
     # rows {"problem","solution"[,"answer"]}; dpo, simpo and orpo rows {"prompt","chosen","rejected"}
@@ -47,7 +47,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _tuplify(self)
         _choice("data.name", self.name, ("arithmetic", "countdown", "gsm8k", "math", "jsonl",
-                                         "hf", "arithmetic_prefs", "calculator", "guess_number"))
+                                         "hf", "arithmetic_prefs", "calculator", "guess_number",
+                                         "quadrant"))
         if self.name == "jsonl" and not self.path:
             raise ConfigError("data=jsonl needs a file; set data.path=/path/to/train.jsonl.")
         if self.name in ("gsm8k", "math") and not self.path and not self.dataset:

@@ -88,6 +88,35 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """A vision-language model's image side (Gemma 3 4B and up): a SigLIP vision tower whose
+    patch states are pooled to `tokens` image tokens per image and projected to the
+    language model's width; those replace the image's soft tokens in the text. A
+    checkpoint's config.json (`vision_config`, `mm_tokens_per_image`, the token ids) sets
+    these; `layers: 0` is a text-only model."""
+
+    layers: int = 0  # encoder blocks of the tower (HF vision_config.num_hidden_layers); 0 = no vision
+    width: int = 1152  # tower width (hidden_size)
+    heads: int = 16  # tower attention heads
+    mlp_dim: int = 4304  # tower MLP width (intermediate_size)
+    image_size: int = 896  # pixels per side the images are resized to
+    patch: int = 14  # pixels per patch side
+    eps: float = 1e-6  # LayerNorm epsilon (layer_norm_eps), also the projector's RMSNorm's
+    tokens: int = 256  # image tokens per image, a square number (mm_tokens_per_image)
+    image_token_id: int = 262144  # the soft token each image token takes in the text (image_token_index)
+    boi_token_id: int = 255999  # the token before an image's soft tokens (boi_token_index)
+    eoi_token_id: int = 256000  # the token after them (eoi_token_index)
+    # train the tower and projector too; false (default): they stay as loaded (optim.freeze
+    # gains ^vision/), as most VLM RL recipes keep the encoder frozen
+    trainable: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("width", "heads", "mlp_dim", "image_size", "patch", "tokens"):
+            _positive(f"model.vision.{key}", getattr(self, key))
+        _positive("model.vision.layers", self.layers, allow_zero=True)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One decoder; families differ only by these fields (presets in configs/model/)."""
 
@@ -144,6 +173,7 @@ class ModelConfig:
     tokenizer: str = "auto"  # auto (the checkpoint's, else bytes), bytes (built-in byte-level), or a tokenizer.json path
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.rank > 0 turns them on)
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts MLPs (model.moe.num_experts > 0 turns them on)
+    vision: VisionConfig = field(default_factory=VisionConfig)  # a vision tower (model.vision.layers > 0 turns it on; a vision-language checkpoint sets it)
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -170,6 +200,11 @@ class ModelConfig:
             raise ConfigError("LoRA on a mixture-of-experts model with dense layers "
                               "(model.moe.dense_layers or sparse_step > 1) is not supported; use "
                               "full fine-tuning or a model whose layers are all sparse.")
+        v = self.vision
+        if v.layers and max(v.image_token_id, v.boi_token_id, v.eoi_token_id) >= self.vocab_size:
+            raise ConfigError(f"model.vision's token ids ({v.image_token_id}, {v.boi_token_id}, "
+                              f"{v.eoi_token_id}) must be below model.vocab_size="
+                              f"{self.vocab_size}; raise vocab_size or set the ids.")
         if self.init == "random" and self.checkpoint is not None:  # (a preset's hub_id is not)
             raise ConfigError(f"model.init=random draws random weights but model.checkpoint="
                               f"{self.checkpoint} is set; drop one of the two.")

@@ -53,8 +53,12 @@ def process_rows(indices: np.ndarray, process_index: int, process_count: int) ->
 
 
 def take(rows: TokenRows, indices: np.ndarray) -> dict[str, np.ndarray]:
-    """The row arrays of `indices`: {"tokens", "positions", "segment_ids", "loss_mask"}."""
-    return {name: getattr(rows, name)[indices] for name in ROW_FIELDS}
+    """The row arrays of `indices`: {"tokens", "positions", "segment_ids", "loss_mask"},
+    and a vision-language model's rows' images, "pixels" (`TokenRows.pixels`)."""
+    out = {name: getattr(rows, name)[indices] for name in ROW_FIELDS}
+    if rows.images is not None:
+        out["pixels"] = rows.pixels(indices)
+    return out
 
 
 def eval_batches(rows: TokenRows, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
@@ -72,6 +76,6 @@ def eval_batches(rows: TokenRows, batch_size: int) -> Iterator[dict[str, np.ndar
         yield batch
 
 
-def _pad_rows(array_BxT: np.ndarray, missing: int, value: int) -> np.ndarray:
-    pad_BxT = np.full((missing, array_BxT.shape[1]), value, array_BxT.dtype)
-    return np.concatenate([array_BxT, pad_BxT])
+def _pad_rows(array_Bx_: np.ndarray, missing: int, value: int) -> np.ndarray:
+    pad = np.full((missing,) + array_Bx_.shape[1:], value, array_Bx_.dtype)
+    return np.concatenate([array_Bx_, pad])

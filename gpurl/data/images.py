@@ -9,6 +9,7 @@ Gemma 3 (HF `Gemma3ImageProcessor`): RGB (transparent pixels over white, as tran
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 from dataclasses import dataclass
@@ -59,6 +60,16 @@ def open_image(source: Any, where: str = "an image") -> Image.Image:
     except (UnidentifiedImageError, OSError) as e:
         raise ConfigError(f"{where} could not be decoded ({type(e).__name__}); give a "
                           f"complete PNG, JPEG, GIF or WebP file.") from None
+
+
+def image_key(source: Any) -> Any:
+    """A hashable stand-in for an image source: a path as itself, bytes (or the datasets
+    Image feature's) by their SHA-256."""
+    if isinstance(source, dict):
+        source = source.get("bytes") or source.get("path")
+    if isinstance(source, (bytes, bytearray)):
+        return hashlib.sha256(source).hexdigest()
+    return source if isinstance(source, str) else repr(source)
 
 
 def rgb(image: Image.Image) -> Image.Image:

@@ -17,6 +17,14 @@ ground truth).
 | pairs             | prompt, chosen, rejected                  | gpurl, TRL preference     |
 | implicit_pairs    | chosen, rejected (full texts/chats)       | TRL implicit prompt       |
 
+Images (vision-language models): a message's content may be a list of parts, OpenAI's
+and TRL's `{"type": "text", "text": ...}` and `{"type": "image"}` (or `image_url`); each
+image part becomes the model's image marker (`gpurl.models.vision.IMAGE_MARKER`) in the
+text, and the row's `images` column lists the images in order (paths, bytes, the datasets
+Image feature's {"bytes", "path"}); image parts may carry their image themselves
+(`"image"`, `"path"`, or `image_url.url` as a path or a base64 data URL) instead. A
+plain-text prompt places its images with the marker itself.
+
 TRL's formats: https://huggingface.co/docs/trl/dataset_formats ; verl's:
 https://verl.readthedocs.io/en/latest/preparation/prepare_data.html (`prompt` chat list,
 `data_source`, `ability`, `reward_model.ground_truth`, `extra_info`).
@@ -24,9 +32,11 @@ https://verl.readthedocs.io/en/latest/preparation/prepare_data.html (`prompt` ch
 
 from __future__ import annotations
 
+import base64
 from typing import Any, Callable
 
 from gpurl.config import ConfigError, DataConfig
+from gpurl.models.vision import IMAGE_MARKER
 
 Convert = Callable[[dict, str], dict]
 # Which rows a run needs: RL prompts, SFT examples (with a reference completion) or pairs.
@@ -45,13 +55,18 @@ def converter(names: list[str], cfg: DataConfig, need: str,
     raw_name = {v: k for k, v in renames.items()}
     key_columns = [raw_name.get(c, c) for c in ("prompt", "messages") if c in present]
     key_columns = key_columns or [raw_name.get("chosen", "chosen")]  # implicit-prompt pairs
+    key_columns += [raw_name.get("images", "images")] if "images" in present else []
 
     def convert(raw: dict, where: str) -> dict:
         # Arrow gives every row every column of the file (null where a jsonl row lacks
         # it), so a file may mix layouts row by row; a null is an absent field.
         row = {renames.get(k, k): v for k, v in raw.items() if v is not None}
         layout = file_layout if len(present) == len(row) else _layout(set(row), need, where)
+        inline = [image for key in ("prompt", "messages") if isinstance(row.get(key), list)
+                  for image in _inline_images(row[key])]
         row = LAYOUTS[layout](row, where, need)
+        if inline or "images" in row:
+            row["images"] = _row_images(row.get("images"), inline, where)
         if answer_path and "answer" not in row:
             row["answer"] = _dig(raw, answer_path)
         return row
@@ -222,8 +237,54 @@ LAYOUTS: dict[str, Callable[[dict, str, str], dict]] = {
     "implicit_pairs": _implicit_pairs}
 
 
+def _inline_images(messages: list) -> list[Any]:
+    """The images image parts carry themselves, in order (`data:` URLs decoded)."""
+    out = []
+    for m in messages:
+        parts = m.get("content") if isinstance(m, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            if not isinstance(part, dict) or part.get("type") not in ("image", "image_url"):
+                continue
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            source = part.get("image", part.get("path", url))
+            if isinstance(source, str) and source.startswith("data:"):
+                source = base64.b64decode(source.partition(",")[2])
+            if source is not None:
+                out.append(source)
+    return out
+
+
+def _row_images(column: Any, inline: list, where: str) -> list:
+    if column is not None and inline:
+        raise ConfigError(f"{where} gives images both in its 'images' column and inside its "
+                          f"messages; keep one of the two.")
+    if column is None:
+        return inline
+    return list(column) if isinstance(column, (list, tuple)) else [column]
+
+
+def _content(content: Any, what: str) -> Any:
+    """A message's content as text: a list of parts joined, each image part as the image
+    marker; anything else is returned for `expect_str` to refuse."""
+    if not isinstance(content, list):
+        return content
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        elif kind in ("image", "image_url"):
+            out.append(IMAGE_MARKER)
+        else:
+            raise ConfigError(f'{what}[{j}] is not a {{"type": "text", "text": ...}} or '
+                              f'{{"type": "image"}} part; fix that row.')
+    return "".join(out)
+
+
 def chat(messages: Any, what: str) -> list[dict]:
-    """A non-empty list of {"role", "content"} strings (other keys dropped)."""
+    """A non-empty list of {"role", "content"} strings (other keys dropped; a content list
+    of text and image parts joined into one string, `_content`)."""
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f'{what} must be a non-empty list of {{"role", "content"}} '
                           "objects; fix that row.")
@@ -231,9 +292,10 @@ def chat(messages: Any, what: str) -> list[dict]:
         if not isinstance(message, dict):
             raise ConfigError(f'{what}[{i}] is not an object; write it as '
                               '{"role": ..., "content": ...}.')
-        for field in ("role", "content"):
-            expect_str(message.get(field), f"{what}[{i}][{field!r}]")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+        content = _content(message.get("content"), f"{what}[{i}]['content']")
+        expect_str(message.get("role"), f"{what}[{i}]['role']")
+        expect_str(content, f"{what}[{i}]['content']")
+    return [{"role": m["role"], "content": _content(m["content"], "")} for m in messages]
 
 
 def expect_str(value: Any, what: str) -> None:

@@ -61,6 +61,9 @@ def encode_pairs(rows: list[dict], tokenizer: Tokenizer, cfg: DataConfig, what: 
     turn with the generation prompt and each completion as the assistant reply (as in
     SFT); with `cfg.append_eos` both completions end with EOS. Pairs whose prompt plus
     longer completion exceed `cfg.max_len` tokens are skipped and counted."""
+    if any(row.get("images") for row in rows):
+        raise ConfigError(f"{what} pairs have images, which only algo=sft trains on so far; "
+                          f"train a vision-language model with algo=sft or drop the images.")
     texts = [_texts(row, tokenizer, cfg.chat_template) for row in rows]
     prompt_ids = tokenizer.encode_batch([t[0] for t in texts])
     chosen_ids = tokenizer.encode_batch([t[1] for t in texts])

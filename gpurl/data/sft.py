@@ -9,12 +9,13 @@ With `data.packing`, several examples share a row; `segment_ids` and per-example
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gpurl.config import ConfigError, DataConfig
+from gpurl.data.images import gemma3_pixels, open_image
 from gpurl.kernels.segments import BRANCHES
 
 if TYPE_CHECKING:
@@ -34,9 +35,25 @@ class TokenRows:
     loss_mask: np.ndarray
     num_truncated: int  # examples longer than T that lost their tail
     pad_id: int = 0  # token id of empty slots (eval batches pad with it)
+    # a vision-language model's rows: each row's images (sources: `gpurl.data.images.
+    # open_image`) in the order its image tokens come, read and resized to `image_size`
+    # pixels a side when a batch takes the row (`pixels`); None for text rows
+    images: tuple[tuple[Any, ...], ...] | None = None
+    image_size: int = 0
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    def pixels(self, indices: np.ndarray) -> np.ndarray:
+        """B x M x 3 x H x W float32: the images of rows `indices`, M the most any row has
+        (slots past a row's own images are zeros, never read by the model)."""
+        m = max(1, max(map(len, self.images)))
+        out = np.zeros((len(indices), m, 3, self.image_size, self.image_size), np.float32)
+        for b, row in enumerate(indices):
+            for j, source in enumerate(self.images[row]):
+                out[b, j] = gemma3_pixels(open_image(source, f"row {row}'s image {j}"),
+                                          self.image_size)
+        return out
 
 
 def encode_sft(examples: list[dict], tokenizer: Tokenizer, cfg: DataConfig) -> TokenRows:
@@ -56,7 +73,12 @@ def encode_sft(examples: list[dict], tokenizer: Tokenizer, cfg: DataConfig) -> T
     else:
         prompts = [ex["prompt"] for ex in examples]
         completions = [ex["completion"] for ex in examples]
-    prompt_ids = tokenizer.encode_batch(list(prompts))
+    images = None
+    if any(ex.get("images") for ex in examples):  # a vision-language model's examples
+        images = [list(ex.get("images") or ()) for ex in examples]
+        prompt_ids = image_prompt_ids(list(prompts), images, tokenizer)
+    else:
+        prompt_ids = tokenizer.encode_batch(list(prompts))
     completion_ids = tokenizer.encode_batch(list(completions))
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     trained = None
@@ -65,7 +87,43 @@ def encode_sft(examples: list[dict], tokenizer: Tokenizer, cfg: DataConfig) -> T
         trained = [[False] * (len(bos) + len(p)) + t + [True] for p, t in zip(prompt_ids, trained)]
     seqs = [bos + p + c + [tokenizer.eos_id] for p, c in zip(prompt_ids, completion_ids)]
     prompt_len_X = np.array([len(bos) + len(p) for p in prompt_ids], dtype=np.int64)
-    return _layout(seqs, prompt_len_X, cfg.max_len, cfg.packing, tokenizer.pad_id, trained)
+    rows, row_X = _layout(seqs, prompt_len_X, cfg.max_len, cfg.packing, tokenizer.pad_id, trained)
+    if images is None:
+        return rows
+    return _with_images(rows, row_X, seqs, images, tokenizer.images, cfg.max_len)
+
+
+def image_prompt_ids(prompts: list[str], images: list[list[Any]],
+                     tokenizer: Tokenizer) -> list[list[int]]:
+    """Token ids of prompts whose image markers are expanded to the model's image tokens
+    (`gpurl.models.vision.ImageTokens`); one sentence when the model has no vision tower
+    or a prompt's markers do not match its images."""
+    if tokenizer.images is None:
+        raise ConfigError("the data has images but the model is a text model; use a "
+                          "vision-language model (model.vision.layers > 0) or drop the images.")
+    ids, counts = tokenizer.images.encode(prompts, tokenizer.encode_batch)
+    for x, (count, given) in enumerate(zip(counts, images)):
+        if count != len(given):
+            raise ConfigError(f"example {x} gives {len(given)} image(s) but its prompt places "
+                              f"{count} (an image part or <start_of_image> marks each); give "
+                              f"one image per image part.")
+    return ids
+
+
+def _with_images(rows: TokenRows, row_X: np.ndarray, seqs: list[list[int]],
+                 images: list[list[Any]], tokens: Any, max_len: int) -> TokenRows:
+    """`rows` with each row's images (its examples', in order); one sentence when an
+    example's image tokens do not fit in data.max_len (a cut image has no features)."""
+    for x, seq in enumerate(seqs):
+        if images[x] and len(seq) > max_len and tokens.end in seq[max_len:]:
+            raise ConfigError(f"example {x}'s images end past data.max_len={max_len} tokens "
+                              f"({tokens.count} per image); raise data.max_len or give "
+                              f"fewer images per example.")
+    # a row's examples lie in it in example order (`_first_fit` appends)
+    per_row: list[list[Any]] = [[] for _ in range(len(rows))]
+    for row, given in zip(row_X, images):
+        per_row[row] += given
+    return replace(rows, images=tuple(tuple(r) for r in per_row), image_size=tokens.size)
 
 
 def _segments(examples: list[dict], completion_ids: list[list[int]],
@@ -105,10 +163,11 @@ def _chat_texts(example: dict, tokenizer: Tokenizer) -> tuple[str, str]:
 
 
 def _layout(seqs: list[list[int]], prompt_len_X: np.ndarray, T: int, packing: bool,
-            pad_id: int, trained: list[list[bool]] | None = None) -> TokenRows:
-    """Place each (right-truncated) sequence in its row and build the row arrays at once.
-    `trained`: per token of each sequence, whether it may carry loss (beside the rule
-    that prompts do not)."""
+            pad_id: int, trained: list[list[bool]] | None = None
+            ) -> tuple[TokenRows, np.ndarray]:
+    """Place each (right-truncated) sequence in its row and build the row arrays at once:
+    (the rows, each sequence's row). `trained`: per token of each sequence, whether it
+    may carry loss (beside the rule that prompts do not)."""
     full_len_X = np.array([len(s) for s in seqs], dtype=np.int64)
     flat_Z = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32,
                          count=int(full_len_X.sum()))
@@ -143,7 +202,7 @@ def _layout(seqs: list[list[int]], prompt_len_X: np.ndarray, T: int, packing: bo
         loss_mask[dest_Z] *= trained_Z
     shape = (num_rows, T)
     return TokenRows(tokens.reshape(shape), positions.reshape(shape), segment_ids.reshape(shape),
-                     loss_mask.reshape(shape), int((full_len_X > T).sum()), pad_id)
+                     loss_mask.reshape(shape), int((full_len_X > T).sum()), pad_id), row_X
 
 
 def _first_fit(len_X: list[int], T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

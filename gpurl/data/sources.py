@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from gpurl.config import ConfigError, DataConfig
+from gpurl.data.images import image_key
 from gpurl.data.layouts import converter, expect_str
 from gpurl.data.tables import Rows, columns, open_hub, open_table
 from gpurl.data.tasks import TASKS
@@ -36,7 +37,7 @@ MATH_TEMPLATE = "Problem: {question}\nGive the final answer as \\boxed{...}.\nSo
 TASK_REWARDS: dict[str, list[str]] = {
     "arithmetic": ["first_number_match"], "arithmetic_prefs": ["first_number_match"],
     "countdown": ["countdown"], "calculator": ["numeric_match"], "guess_number": ["numeric_match"],
-    "gsm8k": ["math_verify"], "math": ["math_verify"], "jsonl": ["numeric_match"],
+    "quadrant": ["first_line_match"], "gsm8k": ["math_verify"], "math": ["math_verify"], "jsonl": ["numeric_match"],
     "hf": ["numeric_match"]}
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -79,8 +80,14 @@ def _without(train: Sequence[dict], eval_: Sequence[dict]) -> Sequence[dict]:
         held_out = set(eval_.keys())
         keep = [i for i, key in enumerate(train.keys()) if key not in held_out]
         return train if len(keep) == len(train) else train.take(np.asarray(keep, np.int64))
-    held_out = {row["prompt"] for row in eval_}
-    return [row for row in train if row["prompt"] not in held_out]
+    held_out = {_prompt_key(row) for row in eval_}
+    return [row for row in train if _prompt_key(row) not in held_out]
+
+
+def _prompt_key(row: dict) -> Any:
+    """What makes a generated row's prompt itself: its text and its images' contents."""
+    images = row.get("images")
+    return row["prompt"] if not images else (row["prompt"], tuple(map(image_key, images)))
 
 
 def _add_few_shot(cfg: DataConfig, train: Sequence[dict],
@@ -238,7 +245,7 @@ def last_boxed(text: str) -> str | None:
 
 _SOURCES: dict[str, Callable[[DataConfig, str], tuple[Sequence[dict], Sequence[dict]]]] = {
     "arithmetic": _task_rows, "arithmetic_prefs": _task_rows, "countdown": _task_rows,
-    "calculator": _task_rows, "guess_number": _task_rows,
+    "calculator": _task_rows, "guess_number": _task_rows, "quadrant": _task_rows,
     "gsm8k": _task_file_rows(_from_gsm8k, ("question", "answer")),
     "math": _task_file_rows(_from_math, ("problem", "solution")),
     "jsonl": _file_rows, "hf": _hub_rows}

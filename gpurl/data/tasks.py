@@ -260,6 +260,41 @@ def guess_number(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[di
     return items
 
 
+QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
+
+
+def quadrant(num: int, seed: int, cfg: DataConfig = DataConfig()) -> list[dict]:
+    """`num` images (PNG bytes, 32 x 32) of a red dot and three blue distractor dots on a
+    noisy grey ground, asking which quadrant holds the red dot (a visual task a tiny
+    vision-language model learns on CPU): {"prompt": "<start_of_image>Which quadrant holds
+    the red dot?\nAnswer:", "completion": " top left", "answer": "top left",
+    "images": [png]}."""
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    side, radius = 32, 3
+    items = []
+    for _ in range(num):
+        image = rng.integers(96, 160, (side, side, 1)).repeat(3, axis=2).astype(np.uint8)
+        which = int(rng.integers(4))
+        spots = [which] + rng.choice([q for q in range(4) if q != which], 3).tolist()
+        for k, q in enumerate(spots):
+            y0, x0 = (q // 2) * side // 2, (q % 2) * side // 2
+            y = rng.integers(y0 + radius, y0 + side // 2 - radius)
+            x = rng.integers(x0 + radius, x0 + side // 2 - radius)
+            colour = (220, 30, 30) if k == 0 else (30, 60, 220)
+            yy, xx = np.ogrid[:side, :side]
+            image[(yy - y) ** 2 + (xx - x) ** 2 <= radius ** 2] = colour
+        png = io.BytesIO()
+        Image.fromarray(image).save(png, format="PNG")
+        items.append({"prompt": "<start_of_image>Which quadrant holds the red dot?\nAnswer:",
+                      "completion": f" {QUADRANTS[which]}", "answer": QUADRANTS[which],
+                      "images": [png.getvalue()]})
+    return items
+
+
 TASKS: dict[str, Callable[[int, int, DataConfig], list[dict]]] = {
     "arithmetic": arithmetic, "arithmetic_prefs": arithmetic_prefs, "countdown": countdown,
-    "calculator": calculator, "guess_number": guess_number}
+    "calculator": calculator, "guess_number": guess_number, "quadrant": quadrant}

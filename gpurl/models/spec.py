@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gpurl.config import ModelConfig
+from gpurl.config import ConfigError, ModelConfig
+from gpurl.models import vision
 from gpurl.models.transformer import (FLOAT32_READS, STACKS, KVCache, Layers, PromptKV,
                                       Transformer, compute_dtype, unrolled_sampling)
 
@@ -40,23 +41,42 @@ class ModelSpec:
     logical_axes: Params  # same structure, tuple[str, ...] leaves
 
     def apply(self, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
-              segments_BxT: jax.Array) -> jax.Array:
-        return nnx.merge(self.graphdef, params)(tokens_BxT, positions_BxT, segments_BxT)
+              segments_BxT: jax.Array, pixels: jax.Array | None = None) -> jax.Array:
+        return self._merge(params)[0](tokens_BxT, positions_BxT, segments_BxT,
+                                      self.image_embeds(params, pixels))
 
     def hidden(self, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                segments_BxT: jax.Array, cache: KVCache | PromptKV | None = None,
-               routes: jax.Array | None = None):
+               routes: jax.Array | None = None, pixels: jax.Array | None = None):
         """Final-norm hidden states and the cache (`Transformer.hidden`); `params` stacked
-        or a rollout's copy (`serving_params`)."""
+        or a rollout's copy (`serving_params`). `pixels` (B x M x C x H x W): each row's
+        images, its M image slots in the order its image tokens come (slots past a row's
+        images are never read)."""
         model, layers = self._merge(params)
-        return model.hidden(tokens_BxT, positions_BxT, segments_BxT, cache, routes, layers)
+        return model.hidden(tokens_BxT, positions_BxT, segments_BxT, cache, routes, layers,
+                            self.image_embeds(params, pixels))
 
     def prompt_kv(self, params: Params, tokens_PxW: jax.Array, positions_PxW: jax.Array,
-                  segments_PxW: jax.Array, group: int) -> tuple[jax.Array, PromptKV]:
+                  segments_PxW: jax.Array, group: int, pixels: jax.Array | None = None
+                  ) -> tuple[jax.Array, PromptKV]:
         """(final-norm hidden states of P prompts, their keys and values for `group`
         completions each to attend to with `hidden`)."""
         model, layers = self._merge(params)
-        return model.prompt_kv(tokens_PxW, positions_PxW, segments_PxW, group, layers)
+        return model.prompt_kv(tokens_PxW, positions_PxW, segments_PxW, group, layers,
+                               self.image_embeds(params, pixels))
+
+    def image_embeds(self, params: Params, pixels_BxMxCxHxW: jax.Array | None) -> jax.Array | None:
+        """B x (M * I) x D: each row's image tokens' embeddings from its M images' pixels
+        (the vision tower and projector, `params["vision"]`); None without pixels."""
+        if pixels_BxMxCxHxW is None:
+            return None
+        if "vision" not in params:
+            raise ConfigError(f"images were given to model={self.cfg.name}, which has no vision "
+                              f"tower (model.vision.layers=0); use a vision-language model.")
+        b, m = pixels_BxMxCxHxW.shape[:2]
+        features_NxIxD = vision.image_features(params["vision"], vision.VisionSpec.of(self.cfg),
+                                               pixels_BxMxCxHxW.reshape(b * m, *pixels_BxMxCxHxW.shape[2:]))
+        return features_NxIxD.reshape(b, m * features_NxIxD.shape[1], features_NxIxD.shape[2])
 
     def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
         return self._merge(params)[0].logits(hidden)
@@ -65,6 +85,7 @@ class ModelSpec:
         """The model merged with `params`, and each stack layer by layer when `params`
         holds its layers apart (a rollout's copy): the module then holds one layer's arrays
         in their place, never read."""
+        params = {k: v for k, v in params.items() if k != "vision"}  # read by `image_embeds`
         split = [k for k in STACKS if k in params and _is_split(params[k])]
         if not split:
             return nnx.merge(self.graphdef, params), None
@@ -94,7 +115,11 @@ class ModelSpec:
 
     def init(self, seed: int) -> Params:
         """Random parameters (call under jit with out_shardings to create them sharded)."""
-        return nnx.to_pure_dict(nnx.state(Transformer(self.cfg, rngs=nnx.Rngs(seed)), nnx.Param))
+        params = nnx.to_pure_dict(nnx.state(Transformer(self.cfg, rngs=nnx.Rngs(seed)), nnx.Param))
+        if self.cfg.vision.layers:
+            params["vision"] = vision.init_params(vision.VisionSpec.of(self.cfg), seed,
+                                                  jnp.dtype(self.cfg.param_dtype))
+        return params
 
     @property
     def policy(self) -> ModelSpec:
@@ -147,6 +172,11 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
     flat = list(nnx.to_flat_state(state))
     abstract = _nest([(path, var.get_value()) for path, var in flat])
     axes = _nest([(path, var.get_metadata()["logical_axes"]) for path, var in flat])
+    if cfg.vision.layers:  # the tower: replicated (no logical axis names)
+        tower = jax.eval_shape(lambda: vision.init_params(vision.VisionSpec.of(cfg), 0,
+                                                          jnp.dtype(cfg.param_dtype)))
+        abstract["vision"] = tower
+        axes["vision"] = jax.tree.map(lambda x: (None,) * x.ndim, tower)
     return ModelSpec(cfg, graphdef, abstract, axes)
 
 

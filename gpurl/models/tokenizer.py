@@ -35,6 +35,9 @@ class Tokenizer:
         self.pad_id = pad_id
         self.bos_id = bos_id
         self.chat_template = chat_template
+        # a vision-language model's image tokens (`gpurl.models.vision.ImageTokens`; set by
+        # `gpurl.models.loading.load_tokenizer`), None for a text model
+        self.images: Any = None
         # get_vocab_size can undercount when added-token ids leave gaps; the model's
         # embedding must cover the largest id.
         self.vocab_size: int = max(tok.get_vocab(with_added_tokens=True).values()) + 1

@@ -34,7 +34,7 @@ from gpurl.kernels import platform
 from gpurl.kernels.attention import Shards, attention, paged_attention, resolve
 from gpurl.models import lora
 from gpurl.models.layers import ACTIVATIONS, constrain_rows, context_axis, layout, param as _param
-from gpurl.models import moe
+from gpurl.models import moe, vision
 from gpurl.models.moe import MoE
 
 
@@ -192,10 +192,12 @@ class Attention(nnx.Module):
         return checkpoint_name(constrain_rows(out), f"{name}_proj")
 
     def __call__(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
-                 kind: jax.Array, layer: jax.Array, cache: KVCache | PromptKV | None = None
+                 kind: jax.Array, layer: jax.Array, cache: KVCache | PromptKV | None = None,
+                 sees_BxT: jax.Array | None = None
                  ) -> tuple[jax.Array, KVCache | PromptKV | None, tuple[jax.Array, jax.Array]]:
         """(output B x T x D, the cache, this layer's keys and values of the T tokens after
-        RoPE: what `Transformer.prompt_kv` keeps)."""
+        RoPE: what `Transformer.prompt_kv` keeps). `sees_BxT`: the last position each
+        token sees when image tokens see their whole image (`vision.image_sees`)."""
         q_BxTxHxE = self._project(x_BxTxD, "q", layer)
         k_BxTxKxE = self._project(x_BxTxD, "k", layer)
         v_BxTxKxE = self._project(x_BxTxD, "v", layer)
@@ -219,7 +221,8 @@ class Attention(nnx.Module):
             out = attention(q_BxTxHxE, keys, values, positions_BxT, segments_BxT, kv_pos,
                             kv_seg, scale=self.scale, softcap=self.softcap, window=window,
                             contiguous=own, shared_prefix=cache is not None and own,
-                            implementation=self.implementation, shards=shards)
+                            implementation=self.implementation, shards=shards,
+                            q_sees_BxT=sees_BxT)
             return out, cache, (k_BxTxKxE, v_BxTxKxE)
 
         branches = [functools.partial(attend, *k) for k in self.kinds]
@@ -269,11 +272,12 @@ class Block(nnx.Module):
             self.post_mlp_norm = norm()
         self.post_norms, self.sparse = cfg.post_norms, sparse
 
-    def __call__(self, x_BxTxD, positions_BxT, segments_BxT, kind, layer, cache=None, routes=None):
+    def __call__(self, x_BxTxD, positions_BxT, segments_BxT, kind, layer, cache=None, routes=None,
+                 sees_BxT=None):
         """(output, cache, this layer's keys and values, router stats and chosen experts
         of a sparse block, else None)."""
         h_BxTxD, cache, kv = self.attn(self.attn_norm(x_BxTxD), positions_BxT, segments_BxT,
-                                       kind, layer, cache)
+                                       kind, layer, cache, sees_BxT)
         x_BxTxD = x_BxTxD + (self.post_attn_norm(h_BxTxD) if self.post_norms else h_BxTxD)
         routing = None
         if self.sparse:
@@ -363,14 +367,15 @@ class Transformer(nnx.Module):
         self.remat = remat_policy(cfg)
 
     def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
-                 segments_BxT: jax.Array) -> jax.Array:
-        hidden_BxTxD, _ = self.hidden(tokens_BxT, positions_BxT, segments_BxT)
+                 segments_BxT: jax.Array, images_BxJxD: jax.Array | None = None) -> jax.Array:
+        hidden_BxTxD, _ = self.hidden(tokens_BxT, positions_BxT, segments_BxT,
+                                      images_BxJxD=images_BxJxD)
         return self.logits(hidden_BxTxD)
 
     def hidden(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
                cache: KVCache | PromptKV | SharedPrefix | None = None,
-               routes: jax.Array | None = None, layers: Layers | None = None
-               ) -> tuple[jax.Array, Any]:
+               routes: jax.Array | None = None, layers: Layers | None = None,
+               images_BxJxD: jax.Array | None = None) -> tuple[jax.Array, Any]:
         """Final-norm hidden states of the T tokens. With a `KVCache` (sampling) they are
         appended to it; with a `PromptKV` (a training forward) they attend to its prompts;
         with `SHARED_PREFIX` they are packed rows whose segments have shared prefixes
@@ -378,24 +383,26 @@ class Transformer(nnx.Module):
         `routes`: experts the sampler chose for these tokens (routing replay;
         -1 routes a token afresh). `layers`: each stack's parameters layer by layer (a
         rollout's copy, `gpurl.models.spec.ModelSpec.serving_params`), run unrolled in
-        place of the module's stacks."""
+        place of the module's stacks. `images_BxJxD`: a vision-language model's image
+        tokens' embeddings, each row's in the order its image tokens come (`vision.
+        place_images`); its image tokens then see their whole image."""
         x_BxTxD, cache, _ = self._layers(tokens_BxT, positions_BxT, segments_BxT, cache, False,
-                                         routes, layers)
+                                         routes, layers, images_BxJxD)
         return x_BxTxD, cache
 
     def prompt_kv(self, tokens_PxW: jax.Array, positions_PxW: jax.Array,
-                  segments_PxW: jax.Array, group: int, layers: Layers | None = None
-                  ) -> tuple[jax.Array, PromptKV]:
+                  segments_PxW: jax.Array, group: int, layers: Layers | None = None,
+                  images_PxJxD: jax.Array | None = None) -> tuple[jax.Array, PromptKV]:
         """(final-norm hidden states of P prompts, every layer's keys and values of them)
         for `group` completions per prompt to attend to (`hidden` with the PromptKV)."""
         x_PxWxD, _, (k, v) = self._layers(tokens_PxW, positions_PxW, segments_PxW, None, True,
-                                          None, layers)
+                                          None, layers, images_PxJxD)
         return x_PxWxD, PromptKV(k, v, positions_PxW, segments_PxW, group)
 
     def _layers(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
                 cache: KVCache | PromptKV | None, keep_kv: bool,
-                routes: jax.Array | None = None, layers: Layers | None = None
-                ) -> tuple[jax.Array, Any, Any]:
+                routes: jax.Array | None = None, layers: Layers | None = None,
+                images_BxJxD: jax.Array | None = None) -> tuple[jax.Array, Any, Any]:
         """The embedding and one `lax.scan` per run of layers of one stack (`layer_runs`;
         one scan unless a mixture-of-experts model mixes dense layers in): (final-norm
         hidden states, the carried KVCache, with `keep_kv` every layer's keys and values).
@@ -405,6 +412,11 @@ class Transformer(nnx.Module):
         if self.cfg.scale_embeddings:
             # Gemma rounds the normalizer to the compute dtype before multiplying.
             x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(self.cfg.d_model), self.dtype)
+        sees_BxT = None
+        if images_BxJxD is not None:  # after the scaling: image features are not scaled
+            is_image_BxT = vision.image_tokens(tokens_BxT, self.cfg)
+            x_BxTxD = vision.place_images(x_BxTxD, is_image_BxT, images_BxJxD)
+            sees_BxT = vision.image_sees(is_image_BxT, positions_BxT)
         # sampling: written in place, layer by layer
         carried = isinstance(cache, (KVCache, PagedKV))
         if isinstance(cache, KVCache):
@@ -427,7 +439,7 @@ class Transformer(nnx.Module):
             xs = (stacked, kinds[run], jnp.arange(layer0, layer0 + count, dtype=jnp.int32),
                   None if prompt is None else (prompt.k[run], prompt.v[run]), replayed)
             fn = self._layer_fn(graphdef, positions_BxT, segments_BxT, prompt, carried, keep_kv,
-                                shared)
+                                shared, sees_BxT)
             carry = (x_BxTxD, cache if carried else None)
             if layers is None:
                 carry, (kv, routing) = jax.lax.scan(fn, carry, xs)
@@ -449,7 +461,7 @@ class Transformer(nnx.Module):
 
     def _layer_fn(self, graphdef: Any, positions_BxT: jax.Array, segments_BxT: jax.Array,
                   prompt: PromptKV | None, carried: bool, keep_kv: bool,
-                  shared: SharedPrefix | None = None):
+                  shared: SharedPrefix | None = None, sees_BxT: jax.Array | None = None):
         """The scan body over one run of stacked layers."""
         keep_experts = moe.recording_experts()
 
@@ -461,7 +473,8 @@ class Transformer(nnx.Module):
             elif shared is not None:
                 kv_cache = shared
             x_BxTxD, kv_cache, kv, routing = nnx.merge(graphdef, state)(
-                constrain_rows(x_BxTxD), positions_BxT, segments_BxT, kind, index, kv_cache, routes)
+                constrain_rows(x_BxTxD), positions_BxT, segments_BxT, kind, index, kv_cache, routes,
+                sees_BxT)
             x_BxTxD = constrain_rows(x_BxTxD)
             if routing is not None and not keep_experts:
                 routing = (routing[0], None)

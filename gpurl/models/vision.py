@@ -17,6 +17,7 @@ D the language model's width, F the tower's MLP width.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpurl.config import ConfigError
+from gpurl.config import ConfigError, ModelConfig, VisionConfig
 
 Tree = dict[str, Any]
 
@@ -55,26 +56,23 @@ class VisionSpec:
         return math.isqrt(self.tokens)
 
     @classmethod
+    def of(cls, cfg: ModelConfig) -> VisionSpec:
+        """The tower of a vision-language model config (`model.vision`)."""
+        v = cfg.vision
+        spec = cls(width=v.width, layers=v.layers, heads=v.heads, mlp=v.mlp_dim,
+                   image_size=v.image_size, patch=v.patch, eps=v.eps, tokens=v.tokens,
+                   text_width=cfg.d_model)
+        spec.check()
+        return spec
+
+    @classmethod
     def from_hf(cls, config: dict) -> VisionSpec:
         """From a Gemma 3 multimodal config.json (as a dict); one sentence when it cannot
         describe a tower gpurl runs."""
-        vision = config.get("vision_config")
-        if not isinstance(vision, dict):
-            raise ConfigError("this config.json has no vision_config; a vision-language "
-                              "checkpoint (Gemma3ForConditionalGeneration) is needed.")
-        act = vision.get("hidden_act", "gelu_pytorch_tanh")
-        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ConfigError(f"vision_config.hidden_act={act!r} is not supported; gpurl runs "
-                              f"SigLIP towers with gelu_pytorch_tanh.")
-        spec = cls(width=vision["hidden_size"], layers=vision["num_hidden_layers"],
-                   heads=vision["num_attention_heads"], mlp=vision["intermediate_size"],
-                   image_size=vision["image_size"], patch=vision["patch_size"],
-                   eps=vision.get("layer_norm_eps", 1e-6),
-                   tokens=config.get("mm_tokens_per_image", 256),
-                   text_width=config["text_config"]["hidden_size"],
-                   channels=vision.get("num_channels", 3))
-        spec.check()
-        return spec
+        vision = vision_config_from_hf(config, VisionConfig(), "this config.json")
+        ids = (vision.image_token_id, vision.boi_token_id, vision.eoi_token_id)
+        return cls.of(ModelConfig(d_model=config["text_config"]["hidden_size"],
+                                  vocab_size=max(ids) + 1, vision=vision))
 
     def check(self) -> None:
         side, tokens = self.patches_per_side, self.tokens_per_side
@@ -86,6 +84,33 @@ class VisionSpec:
         if self.width % self.heads:
             raise ConfigError(f"vision_config.hidden_size={self.width} does not split over "
                               f"{self.heads} attention heads.")
+
+
+def vision_config_from_hf(hf: dict[str, Any], base: VisionConfig, source: str) -> VisionConfig:
+    """A Gemma 3 multimodal config.json's tower and image tokens (transformers'
+    Gemma3Config and SiglipVisionConfig defaults where the file omits a key)."""
+    vision = hf.get("vision_config")
+    if not isinstance(vision, dict) or hf.get("model_type") != "gemma3":
+        raise ConfigError(f"{source} is not a Gemma 3 vision-language checkpoint (its config.json "
+                          f"has no vision_config); set model.vision.layers=0 for its text "
+                          f"model or load a vision-language checkpoint.")
+    act = vision.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"{source}: vision_config.hidden_act={act!r} is not supported; gpurl "
+                          f"runs SigLIP towers with gelu_pytorch_tanh.")
+    defaults = VisionConfig(layers=27)
+
+    def get(key: str, field: str, config: dict = vision) -> Any:
+        return config.get(key, getattr(defaults, field))
+
+    return dataclasses.replace(
+        base, layers=get("num_hidden_layers", "layers"), width=get("hidden_size", "width"),
+        heads=get("num_attention_heads", "heads"), mlp_dim=get("intermediate_size", "mlp_dim"),
+        image_size=get("image_size", "image_size"), patch=get("patch_size", "patch"),
+        eps=get("layer_norm_eps", "eps"), tokens=get("mm_tokens_per_image", "tokens", hf),
+        image_token_id=hf.get("image_token_id", get("image_token_index", "image_token_id", hf)),
+        boi_token_id=hf.get("boi_token_id", get("boi_token_index", "boi_token_id", hf)),
+        eoi_token_id=hf.get("eoi_token_id", get("eoi_token_index", "eoi_token_id", hf)))
 
 
 # ---------------------------------------------------------------- the tower
@@ -161,17 +186,99 @@ def image_features(params: Tree, spec: VisionSpec, pixels_NxCxHxW: jax.Array) ->
     return project(params["projector"], spec, encode(params["tower"], spec, pixels_NxCxHxW))
 
 
+# ---------------------------------------------------------------- the text's side
+
+# Where an image goes in a prompt's text: Gemma 3's own marker, which its chat template
+# writes for an `{"type": "image"}` content part (`gpurl.data.layouts.chat` writes it too).
+IMAGE_MARKER = "<start_of_image>"
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """How a vision-language model's text holds an image (transformers' Gemma3Processor):
+    each marker becomes "\n\n", the begin token, `count` image soft tokens, the end
+    token, "\n\n"; the images are resized to `size` pixels a side."""
+
+    image: int
+    begin: int
+    end: int
+    count: int
+    size: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> ImageTokens | None:
+        v = cfg.vision
+        if not v.layers:
+            return None
+        return cls(v.image_token_id, v.boi_token_id, v.eoi_token_id, v.tokens, v.image_size)
+
+    def encode(self, texts: list[str], encode_batch: Any) -> tuple[list[list[int]], list[int]]:
+        """(token ids of each text with its markers expanded, each text's image count).
+        The pieces between markers are tokenized apart, with the processor's "\n\n" on
+        their image side: the begin and end tokens are special in the model's tokenizer,
+        so its whole-string tokenization never merges across them either."""
+        split = [t.split(IMAGE_MARKER) for t in texts]
+        pieces = [(("\n\n" if i else "") + piece + ("\n\n" if i < len(parts) - 1 else ""))
+                  for parts in split for i, piece in enumerate(parts)]
+        ids = iter(encode_batch(pieces))
+        block = [self.begin] + [self.image] * self.count + [self.end]
+        out = []
+        for parts in split:
+            row: list[int] = []
+            for i in range(len(parts)):
+                row += (block if i else []) + next(ids)
+            out.append(row)
+        return out, [len(parts) - 1 for parts in split]
+
+
+# ---------------------------------------------------------------- the language model's side
+
+
+def image_tokens(tokens_BxT: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """B x T: which tokens are image tokens (the soft tokens an image's features replace)."""
+    if not cfg.vision.layers:
+        raise ConfigError("images were given to a text model (model.vision.layers=0); use a "
+                          "vision-language preset or set model.vision.layers from the checkpoint.")
+    return tokens_BxT == cfg.vision.image_token_id
+
+
+def place_images(x_BxTxD: jax.Array, is_image_BxT: jax.Array, images_BxJxD: jax.Array
+                 ) -> jax.Array:
+    """The embeddings with row b's k-th image token replaced by `images_BxJxD[b, k]` (each
+    row's image tokens' features in order; transformers' `masked_scatter`, row by row so
+    that rows stay on their own shards). Rows with fewer image tokens than J leave the
+    rest unread."""
+    j = images_BxJxD.shape[1]
+    index_BxT = jnp.clip(jnp.cumsum(is_image_BxT, axis=1) - 1, 0, max(j - 1, 0))
+    picked_BxTxD = jnp.take_along_axis(images_BxJxD.astype(x_BxTxD.dtype),
+                                       index_BxT[:, :, None], axis=1)
+    return jnp.where(is_image_BxT[:, :, None], picked_BxTxD, x_BxTxD)
+
+
+def image_sees(is_image_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
+    """B x T: the last position each token sees (`gpurl.kernels.attention.attention_mask`):
+    an image token sees to the end of its run of image tokens (Gemma 3's language model
+    attends within an image both ways: transformers' `token_type_ids` blocks), any other
+    token its own position."""
+    t = is_image_BxT.shape[1]
+    index_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), is_image_BxT.shape)
+    # the first text token at or after each token (T if none): its run ends just before
+    next_text_BxT = jax.lax.cummin(jnp.where(is_image_BxT, t, index_BxT), axis=1, reverse=True)
+    end_BxT = jnp.where(is_image_BxT, next_text_BxT - 1, index_BxT)
+    return jnp.take_along_axis(positions_BxT, end_BxT, axis=1)
+
+
 # ---------------------------------------------------------------- parameters
 
 
 def init_params(spec: VisionSpec, seed: int = 0, dtype: Any = jnp.float32) -> Tree:
-    """Random parameters of `spec`'s shapes, drawn on the host (tests; a real tower is
-    loaded)."""
-    rng = np.random.default_rng(seed)
+    """Random parameters of `spec`'s shapes (a tiny test model, or a `model.init=random`
+    run; a real tower is loaded). Traceable: drawn on the device under jit."""
+    keys = iter(jax.random.split(jax.random.fold_in(jax.random.key(seed), 67), 32))
     v, f, pixels = spec.width, spec.mlp, spec.channels * spec.patch * spec.patch
 
     def normal(shape: tuple[int, ...], std: float, mean: float = 0.0) -> jax.Array:
-        return jnp.asarray(mean + std * rng.standard_normal(shape, np.float32), dtype)
+        return (mean + std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
     def dense(i: int, o: int, layers: tuple[int, ...] = ()) -> Tree:
         return {"kernel": normal((*layers, i, o), i ** -0.5), "bias": normal((*layers, o), 0.02)}

@@ -57,6 +57,14 @@ def first_number_match(prompts: Sequence[str], completions: Sequence[str],
     return [_matches(c, a, "first") for c, a in zip(completions, answer)]
 
 
+def first_line_match(prompts: Sequence[str], completions: Sequence[str],
+                     answer: Sequence[Any], **_: Any) -> list[float]:
+    """1.0 when the completion's first line, stripped and lower-cased, equals `answer`
+    (short text answers: the `quadrant` task's "top left")."""
+    return [float(c.strip().split("\n")[0].strip().lower() == str(a).strip().lower())
+            for c, a in zip(completions, answer)]
+
+
 _HASHES_LINE = re.compile(r"####[ \t]*(\S[^\n]*)")
 _MAX_ANSWER_DIGITS = 100_000  # a reading holding a bigger number is dropped (see _log10_bound)
 _LOG10_2 = math.log10(2)
@@ -227,5 +235,6 @@ def _fold(node: ast.AST, used: list[int]) -> Fraction:
 
 
 BUILTIN = {"numeric_match": numeric_match, "first_number_match": first_number_match,
+           "first_line_match": first_line_match,
            "math_verify": math_verify, "boxed_format": boxed_format,
            "length_penalty": length_penalty, "countdown": countdown}

@@ -78,6 +78,10 @@ def encode_prompts(rows: list[dict], tokenizer: Tokenizer, chat: bool, max_len: 
     kept, tokens, opened, skipped = [], [], [], 0
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     for row in rows:
+        if row.get("images"):
+            raise ConfigError(f"{what} prompts have images, which only algo=sft trains on so "
+                              f"far; train a vision-language model with algo=sft or drop the "
+                              f"images.")
         text = render_prompt(tokenizer, row.get("messages") or row["prompt"], chat, tools)
         ids = bos + tokenizer.encode(text)
         if len(ids) > max_len:

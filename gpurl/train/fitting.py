@@ -24,7 +24,7 @@ from gpurl.kernels.pallas_grouped import OffsetLimitError
 from gpurl.plan.memory import (GIB, ProgramPlan, device_memory, kv_cap, memory_of, on_gpu,
                                plan_rollout, splits_rows)
 from gpurl.plan.programs import Kind, RolloutRound
-from gpurl.train.optim import trainable
+from gpurl.train.optim import frozen_patterns, trainable
 from gpurl.train.step import Placement, Program
 from gpurl.train.stepper import Setup, Stepper
 
@@ -115,7 +115,8 @@ def _train_plan(cfg: Config, setup: Setup, stepper: Stepper) -> ProgramPlan:
     limit = _limit(cfg, setup)[0]
 
     def train_plan() -> ProgramPlan:
-        return plan_train_step(setup.step_fn, setup.place, stepper.batch_spec(), cfg.optim.freeze,
+        return plan_train_step(setup.step_fn, setup.place, stepper.batch_spec(),
+                               frozen_patterns(cfg.optim, cfg.model),
                                stepper.resident_bytes(), limit, setup.teacher)
 
     auto = cfg.train.packed and hasattr(stepper, "budget") and cfg.train.micro_batch_tokens == 0

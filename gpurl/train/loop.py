@@ -36,7 +36,7 @@ from gpurl.models import count_params, loading
 from gpurl.train.checkpoint import Checkpointer
 from gpurl.train.frozen import Frozen
 from gpurl.train.metrics import MetricsSink
-from gpurl.train.optim import lr_schedule, train_optimizer
+from gpurl.train.optim import frozen_patterns, lr_schedule, train_optimizer
 from gpurl.plan.memory import ProgramPlan, check, plan_summary
 from gpurl.train.fitting import fitted
 from gpurl.train.plots import write_curves
@@ -228,7 +228,7 @@ def build(cfg: Config) -> tuple[Config, Setup, Stepper]:
     teacher = (load_teacher(cfg.algo, model_cfg, tokenizer, mesh, cfg.mesh.train_rules)
                if algorithm.distills else None)
     step_fn = make_train_step(spec, objective, optimizer, place, cfg.train.num_micro_batches,
-                              cfg.optim.freeze, skip_nonfinite=cfg.train.on_nonfinite == "skip",
+                              frozen_patterns(cfg.optim, model_cfg), skip_nonfinite=cfg.train.on_nonfinite == "skip",
                               scaling=scaling,
                               teacher_shardings=teacher.shardings if teacher else None)
     init = make_init(spec, optimizer, place, cfg.train.seed,

@@ -55,13 +55,24 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
 
 
+# The vision tower and projector of a vision-language model (`model.vision`).
+VISION_PATTERN = "^vision/"
+
+
+def frozen_patterns(cfg: OptimConfig, model: ModelConfig) -> tuple[str, ...]:
+    """`optim.freeze` with what the model config freezes too: a vision-language model's
+    tower unless model.vision.trainable."""
+    extra = (VISION_PATTERN,) if model.vision.layers and not model.vision.trainable else ()
+    return tuple(cfg.freeze) + extra
+
+
 def train_optimizer(cfg: OptimConfig, model: ModelConfig, parts: dict[str, float | None] | None,
                     total_steps: int) -> optax.GradientTransformation:
     """The optimizer of a run. `parts` (an algorithm's record: PPO's {"policy", "critic"})
     gives each top-level part of the trained tree an AdamW of its own, at its learning
     rate (None: optim.lr) on the same schedule, clipped by its own gradient norm. With LoRA
     the base is frozen: only the adapters (and heads) have Adam moments."""
-    cfg = lora.optim_config(cfg, model)
+    cfg = lora.optim_config(dataclasses.replace(cfg, freeze=frozen_patterns(cfg, model)), model)
     if parts is None:
         return make_optimizer(cfg, total_steps)
     return optax.multi_transform(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import jax
 
-from gpurl.config import Config, DataConfig, TrainConfig
+from gpurl.config import Config, ConfigError, DataConfig, TrainConfig
 from gpurl.data.batching import eval_batches, process_rows, step_indices, take
 from gpurl.data.packing import split_token_rows
 from gpurl.data.sft import TokenRows, encode_sft
@@ -45,6 +45,9 @@ class SFTStepper(Stepper):
         has one (`gpurl.data.packing.split_token_rows`), else as they are."""
         if self.context == 1:
             return rows
+        if "pixels" in rows:
+            raise ConfigError("rows with images cannot be split over a context axis yet; "
+                              "set mesh.context=1 for a vision-language model.")
         return split_token_rows(rows, self.context, self.rows.pad_id)
 
     def describe(self) -> str:
