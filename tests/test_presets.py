@@ -22,6 +22,8 @@ PUBLISHED = {
     "gemma2_9b": 9_241_705_984,
     "gemma3_1b": 999_885_952,
     "gemma3_4b": 3_880_099_328,
+    # google/gemma-3-4b-it's safetensors total: the text model, the SigLIP tower, the projector
+    "gemma3_4b_vision": 4_300_079_472,
     "llama3_1b": 1_235_814_400,
     "llama3_8b": 8_030_261_248,
     "qwen2_5_0_5b": 494_032_768,
@@ -36,6 +38,8 @@ PUBLISHED = {
     # "Number of Parameters"; Llama 3.1 70B's HF safetensors total.
     "gemma3_12b": 1_012_000_000 + 10_759_000_000,
     "gemma3_27b": 1_416_000_000 + 25_600_000_000,
+    "gemma3_12b_vision": 417_000_000 + 1_012_000_000 + 10_759_000_000,  # + the vision encoder
+    "gemma3_27b_vision": 417_000_000 + 1_416_000_000 + 25_600_000_000,
     "qwen2_5_14b": 14_700_000_000,
     "qwen2_5_32b": 32_500_000_000,
     "qwen3_14b": 14_800_000_000,

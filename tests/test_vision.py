@@ -6,6 +6,7 @@ features, and the image preprocessing (`gpurl.data.images`) against transformers
 from __future__ import annotations
 
 import io
+import json
 
 import jax
 import jax.numpy as jnp
@@ -426,17 +427,157 @@ def test_sft_on_images_trains_the_language_model_and_keeps_the_tower_frozen(tmp_
     assert np.abs(np.asarray(early["embed"]) - np.asarray(late["embed"])).max() > 0
 
 
-def test_rl_and_preference_rows_with_images_are_one_sentence():
-    """Only SFT trains on images so far: RL prompts and preference pairs with images stop
-    the run in one sentence instead of dropping the images."""
+def test_prompts_and_pairs_with_images_that_cannot_run_are_one_sentence():
+    """RL prompts expand their images for a vision-language model; for a text model, or
+    with fewer image parts than images, one sentence; preference pairs with images (not
+    built yet) one sentence too."""
     from gpurl.config import DataConfig
     from gpurl.data.preferences import encode_pairs
+    from gpurl.models.tokenizer import byte_tokenizer
     from gpurl.rollout.prompts import encode_prompts
 
-    row = {"prompt": "<start_of_image>Which?", "answer": "a", "images": [b"x"],
+    row = {"prompt": "<start_of_image>Which?", "answer": "a", "images": [_png()],
            "chosen": " a", "rejected": " b"}
-    with pytest.raises(ConfigError, match=r"^train prompts have images, which only algo=sft "
-                                          r"trains on so far; .*\.$"):
-        encode_prompts([row], _tokenizer(), False, 64, "train")
+    prompts, _ = encode_prompts([row], _tokenizer(), False, 64, "train")
+    assert prompts.tokens[0].count(259) == 16 and prompts.pixels_shape == (1, 3, 32, 32)
+    pixels, key = prompts.images(0)
+    np.testing.assert_array_equal(pixels[0], gemma3_pixels(open_image(_png()), 32))
+    assert prompts.images(0)[1] == key and len(key) == 32
+    with pytest.raises(ConfigError, match=r"^train prompts have images but the model is a "
+                                          r"text model; .*\.$"):
+        encode_prompts([row], byte_tokenizer(), False, 64, "train")
+    with pytest.raises(ConfigError, match=r"^eval prompt 0 gives 2 image\(s\) but places 1 "):
+        encode_prompts([{**row, "images": [_png(), _png()]}], _tokenizer(), False, 64, "eval")
     with pytest.raises(ConfigError, match=r"^train pairs have images, .*\.$"):
         encode_pairs([row], _tokenizer(), DataConfig(), "train")
+
+
+@pytest.mark.slow
+def test_a_vision_language_model_exports_to_what_transformers_and_gpurl_load(gemma3_vlm_dir, tmp_path):
+    """`export_hf` of a vision-language model writes Gemma3ForConditionalGeneration's
+    tensors and config: transformers loads it and gives the original's logits with images
+    (fp32, 1e-5), and gpurl reads back the same config and parameters."""
+    from gpurl.models.hf_export import export_hf
+
+    model, path = gemma3_vlm_dir
+    cfg, spec, params = _gpurl_vlm(path)
+    export_hf(params, cfg, tmp_path / "out")
+    again = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        tmp_path / "out", dtype=torch.float32).eval()
+    tokens = np.asarray([_vlm_rows()[0]])
+    pixels = torch.from_numpy(gemma3_pixels(_images()[1], 64)[None])
+    kw = dict(input_ids=torch.from_numpy(tokens), pixel_values=pixels,
+              token_type_ids=torch.from_numpy((tokens == IMAGE).astype(np.int64)))
+    with torch.no_grad():
+        np.testing.assert_allclose(again(**kw).logits.numpy(), model(**kw).logits.numpy(),
+                                   rtol=1e-5, atol=1e-5)
+    cfg2, _, params2 = _gpurl_vlm(tmp_path / "out")
+    assert cfg2 == cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _reference_greedy(cfg, spec, params, prompt, pixels, new):
+    """(greedy tokens, their log-probs) through the model's own KV cache (equal to
+    transformers' `generate`: the first test)."""
+    @jax.jit
+    def run(params, pixels, prompt):
+        t = prompt.shape[1]
+        cache = init_cache(cfg, 1, t + new)
+        hidden, cache = spec.hidden(params, prompt, jnp.arange(t)[None], jnp.ones_like(prompt),
+                                    cache, pixels=pixels)
+        out = []
+
+        def pick(hidden):
+            logp = jax.nn.log_softmax(spec.logits(params, hidden[:, -1]))
+            token = jnp.argmax(logp, -1)
+            out.append((token[0], logp[0, token[0]]))
+            return token
+
+        token = pick(hidden)
+        for i in range(new - 1):
+            hidden, cache = spec.hidden(params, token[:, None], jnp.full((1, 1), t + i),
+                                        jnp.ones((1, 1), jnp.int32), cache)
+            token = pick(hidden)
+        return jnp.stack([o[0] for o in out]), jnp.stack([o[1] for o in out])
+    tokens, logprobs = run(params, pixels[None], jnp.asarray([prompt], jnp.int32))
+    return np.asarray(tokens).tolist(), np.asarray(logprobs)
+
+
+@pytest.mark.slow
+def test_engine_with_images_equals_the_model_and_never_shares_kv_between_images(gemma3_vlm_dir):
+    """The rollout engine on prompts with images (greedy, one decode slot, blocks of 4,
+    prefix cache on): two images under the same tokens, three requests each, one at a
+    time, so the later ones find the earlier ones' blocks in the prefix cache and prefill
+    from inside the image (its last block holds image tokens). Every completion equals the
+    model's own greedy tokens for its image; keying cached blocks by tokens alone would
+    hand the second image's requests the first image's keys and values (their tokens
+    happen to agree; their log-probs do not)."""
+    from gpurl.config import RolloutConfig
+    from gpurl.rollout.engine import Engine
+    from gpurl.rollout.requests import Request
+    from gpurl.distributed.mesh import rollout_mesh
+
+    model, path = gemma3_vlm_dir
+    cfg, spec, params = _gpurl_vlm(path)
+    # 21 tokens, the image last (no end token: its last token predicts from the image): the
+    # last block starts at the image's 16th token
+    prompt = [2, 11, 12, 13] + _image_block()[:-1]
+    images = [gemma3_pixels(im, 64) for im in _images()[:2]]
+    new = 6
+    expected = [_reference_greedy(cfg, spec, params, prompt, im[None], new) for im in images]
+    assert np.abs(expected[0][1] - expected[1][1]).max() > 1e-2
+    rollout = RolloutConfig(max_new_tokens=new, temperature=0.0, block_size=4, decode_chunk=3,
+                            slots=1, prefix_cache=True)
+    engine = Engine(spec, rollout, rollout_mesh(MeshConfig(rollout_tp=1), devices=jax.devices()[:1]),
+                    MeshConfig().sample_rules, stop_ids=(), pad_id=0)
+    requests = [Request(tuple(prompt), new, 0.0, seed=s, images=(im,), images_key=key)
+                for im, key in zip(images, ("a", "b")) for s in range(3)]
+    done = engine.generate(params, requests)
+    for c, (tokens, logprobs) in zip(done, [expected[0]] * 3 + [expected[1]] * 3):
+        assert c.tokens.tolist() == tokens
+        np.testing.assert_allclose(c.logprobs, logprobs, atol=2e-5)
+    assert engine.stats["cached_tokens"] == 4 * 20  # the later requests of each image hit its cache
+
+
+@pytest.mark.e2e
+def test_grpo_on_images_runs_end_to_end_and_refuses_what_it_cannot_yet_do(tmp_path):
+    """`gpurl train algo=grpo` on the quadrant task with the tiny vision-language model:
+    rollouts read each prompt's image, the batch carries the prompts' pixels to the train
+    step, held-out evaluation runs; packed rows and continuous rollouts with images are one
+    sentence each."""
+    import dataclasses
+
+    from conftest import make_config
+    from gpurl.train.loop import train
+
+    cfg = make_config(model=TINY_VLM, data={"name": "quadrant", "max_len": 96, "num_train": 32,
+                                            "num_eval": 8},
+                      algo={"name": "grpo", "num_generations": 4}, logger={"progress": False},
+                      rollout={"max_new_tokens": 16},
+                      train={"steps": 2, "batch_size": 4, "eval_every": 2, "packed": False,
+                             "checkpoint_every": 0},
+                      run={"dir": str(tmp_path / "run")})
+    summary = train(cfg)
+    assert summary["finished"] and 0 <= summary["eval/accuracy"] <= 1
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    with pytest.raises(ConfigError, match=r"^prompts with images train on padded rows so far; "
+                                          r"set train.packed=false\.$"):
+        train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, packed=True),
+                                  run=dataclasses.replace(cfg.run, dir=str(tmp_path / "packed"))))
+
+
+def test_what_rl_with_images_cannot_do_yet_is_one_sentence():
+    from gpurl.config import EnvConfig, RolloutConfig, TrainConfig
+    from gpurl.train.rl import _check_images
+
+    padded = TrainConfig(packed=False)
+    with pytest.raises(ConfigError, match=r"^prompts with images cannot be sampled in "
+                                          r"rollout.mode=continuous yet .*; use rollout.mode=sync "
+                                          r"or one_ahead\.$"):
+        _check_images(padded, RolloutConfig(mode="continuous"), None)
+    with pytest.raises(ConfigError, match=r"^prompts with images go through single-turn "
+                                          r"rollouts only so far; drop env or the images\.$"):
+        _check_images(padded, RolloutConfig(), EnvConfig(name="calculator"))
+    _check_images(padded, RolloutConfig(mode="one_ahead"), None)

@@ -82,7 +82,8 @@ def group_states(spec: Any, params: Any, batch: Batch, replay: bool = True) -> j
     (`_packed_states`): read them with `states_logprobs` and `state_values`.
 
     Batch keys: prompt_tokens (P x W, right-padded), prompt_lengths (P), completions
-    (P x G x N), completion_lengths (P x G); with routing replay (and `replay`: the
+    (P x G x N), completion_lengths (P x G); a vision-language model's prompt_pixels (P x
+    M x 3 x H x W, its prompts' images, which the prompt pass reads); with routing replay (and `replay`: the
     policy's forward, not a critic's or the reference's) routes (P x G x N x L x k, the
     experts the sampler chose for each completion token in each of the L sparse layers, -1
     where it did not record one), which the completion tokens are routed to."""
@@ -94,7 +95,8 @@ def group_states(spec: Any, params: Any, batch: Batch, replay: bool = True) -> j
     w = prompt_PxW.shape[1]
     pos_PxW = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (p, w))
     seg_PxW = (pos_PxW < plen_P[:, None]).astype(jnp.int32)
-    hidden_PxWxD, prompt = spec.prompt_kv(params, prompt_PxW, pos_PxW, seg_PxW, g)
+    hidden_PxWxD, prompt = spec.prompt_kv(params, prompt_PxW, pos_PxW, seg_PxW, g,
+                                          pixels=batch.get("prompt_pixels"))
     last_PxD = jnp.take_along_axis(hidden_PxWxD, (plen_P - 1)[:, None, None], axis=1)[:, 0]
     comp_BxN = comp_PxGxN.reshape(p * g, n)
     pos_BxN = jnp.repeat(plen_P, g)[:, None] + jnp.arange(n, dtype=jnp.int32)[None]

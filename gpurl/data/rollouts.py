@@ -32,16 +32,22 @@ class RolloutBatch:
     # P x G x N x L x k int16: the experts the sampler routed each token to (routing
     # replay of a mixture of experts); None without replay
     routes: jax.Array | None = None
+    # P x M x 3 x H x W float32: a vision-language model's prompts' images, in the order
+    # their image tokens come (slots past a prompt's images are zeros, never read)
+    prompt_pixels: jax.Array | None = None
 
     @classmethod
     def spec(cls, prompts: int, group: int, width: int, completion_width: int,
-             routes: tuple[int, ...] | None = None) -> "RolloutBatch":
-        """The batch's global shapes and dtypes (`routes`: the (L, k) of routing replay)."""
+             routes: tuple[int, ...] | None = None,
+             pixels: tuple[int, ...] | None = None) -> "RolloutBatch":
+        """The batch's global shapes and dtypes (`routes`: the (L, k) of routing replay;
+        `pixels`: the (M, 3, H, W) of the prompts' images)."""
         p, g, w, n = prompts, group, width, completion_width
         sds, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
         return cls(sds((p, w), i32), sds((p,), i32), sds((p, g, n), i32), sds((p, g), i32),
                    sds((p, g, n), f32), sds((p, g, n), f32),
-                   None if routes is None else sds((p, g, n, *routes), jnp.int16))
+                   None if routes is None else sds((p, g, n, *routes), jnp.int16),
+                   None if pixels is None else sds((p, *pixels), f32))
 
     def arrays(self) -> dict[str, jax.Array]:
         """The trainer batch's keys: every field that is not None."""

@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 
 from gpurl import hub
 from gpurl.config import ConfigError, ModelConfig
-from gpurl.models import families, lora
+from gpurl.models import families, lora, vision
 from gpurl.models.hf import (FULL, HF_ACTIVATIONS, SLIDING, check_layout, config_from_dict,
                              leaf_at,
                              hf_layout, read_hf_config)
@@ -152,11 +152,18 @@ def export_hf(params: Params, cfg: ModelConfig, out_dir: str | Path,
     out = Path(out_dir)
     hf = {**hf_config_dict(cfg), **_special_ids(tokenizer_dir)}
     layout = hf_layout(cfg)
+    names = [t.name for t in layout]
+    if "vision" in params:  # a vision-language model: Gemma3ForConditionalGeneration
+        tower, params = params["vision"], {k: v for k, v in params.items() if k != "vision"}
+        names = ["language_model." + n for n in names]
+        extra = {**(extra or {}), **vision.hf_tensors(jax.tree.map(host, tower),
+                                                      vision.VisionSpec.of(cfg))}
+        hf = vision.hf_config(cfg, hf)
     check_layout(layout, params)
     writer = jax.process_index() == 0
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-    entries = [(t.name, np.dtype(leaf_at(params, t.path).dtype), t.shape) for t in layout]
+    entries = [(n, np.dtype(leaf_at(params, t.path).dtype), t.shape) for n, t in zip(names, layout)]
     extra = list((extra or {}).items())
     entries += [(name, x.dtype, x.shape) for name, x in extra]
 

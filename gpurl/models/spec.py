@@ -47,27 +47,31 @@ class ModelSpec:
 
     def hidden(self, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                segments_BxT: jax.Array, cache: KVCache | PromptKV | None = None,
-               routes: jax.Array | None = None, pixels: jax.Array | None = None):
+               routes: jax.Array | None = None, pixels: jax.Array | None = None,
+               image_offsets: jax.Array | None = None):
         """Final-norm hidden states and the cache (`Transformer.hidden`); `params` stacked
         or a rollout's copy (`serving_params`). `pixels` (B x M x C x H x W): each row's
         images, its M image slots in the order its image tokens come (slots past a row's
-        images are never read)."""
+        images are never read); `image_offsets` (B): image tokens of each row before these
+        tokens (a prefill after a cached prefix)."""
         model, layers = self._merge(params)
         return model.hidden(tokens_BxT, positions_BxT, segments_BxT, cache, routes, layers,
-                            self.image_embeds(params, pixels))
+                            self.image_embeds(params, pixels, image_offsets))
 
     def prompt_kv(self, params: Params, tokens_PxW: jax.Array, positions_PxW: jax.Array,
-                  segments_PxW: jax.Array, group: int, pixels: jax.Array | None = None
-                  ) -> tuple[jax.Array, PromptKV]:
+                  segments_PxW: jax.Array, group: int, pixels: jax.Array | None = None,
+                  image_offsets: jax.Array | None = None) -> tuple[jax.Array, PromptKV]:
         """(final-norm hidden states of P prompts, their keys and values for `group`
         completions each to attend to with `hidden`)."""
         model, layers = self._merge(params)
         return model.prompt_kv(tokens_PxW, positions_PxW, segments_PxW, group, layers,
-                               self.image_embeds(params, pixels))
+                               self.image_embeds(params, pixels, image_offsets))
 
-    def image_embeds(self, params: Params, pixels_BxMxCxHxW: jax.Array | None) -> jax.Array | None:
+    def image_embeds(self, params: Params, pixels_BxMxCxHxW: jax.Array | None,
+                     offsets_B: jax.Array | None = None) -> jax.Array | None:
         """B x (M * I) x D: each row's image tokens' embeddings from its M images' pixels
-        (the vision tower and projector, `params["vision"]`); None without pixels."""
+        (the vision tower and projector, `params["vision"]`), from its `offsets_B`-th image
+        token on (0 where None); None without pixels."""
         if pixels_BxMxCxHxW is None:
             return None
         if "vision" not in params:
@@ -76,7 +80,12 @@ class ModelSpec:
         b, m = pixels_BxMxCxHxW.shape[:2]
         features_NxIxD = vision.image_features(params["vision"], vision.VisionSpec.of(self.cfg),
                                                pixels_BxMxCxHxW.reshape(b * m, *pixels_BxMxCxHxW.shape[2:]))
-        return features_NxIxD.reshape(b, m * features_NxIxD.shape[1], features_NxIxD.shape[2])
+        embeds_BxJxD = features_NxIxD.reshape(b, m * features_NxIxD.shape[1], -1)
+        if offsets_B is None:
+            return embeds_BxJxD
+        j = embeds_BxJxD.shape[1]
+        index_BxJ = jnp.minimum(offsets_B[:, None] + jnp.arange(j), j - 1)
+        return jnp.take_along_axis(embeds_BxJxD, index_BxJ[:, :, None], axis=1)
 
     def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
         return self._merge(params)[0].logits(hidden)

@@ -307,6 +307,44 @@ _BLOCK = {("norm1", "scale"): "layer_norm1.weight", ("norm1", "bias"): "layer_no
              for part in ("kernel", "bias")}}
 
 
+def hf_tensors(params: Tree, spec: VisionSpec) -> dict[str, np.ndarray]:
+    """The tower and projector as the tensors transformers' Gemma3ForConditionalGeneration
+    saves (`vision_tower.`, `multi_modal_projector.`; `load_hf`'s inverse), on the host."""
+    tower, out = params["tower"], {}
+    for i in range(spec.layers):
+        for (ours, part), name in _BLOCK.items():
+            x = np.asarray(tower["blocks"][ours][part][i], np.float32)
+            out[f"vision_tower.encoder.layers.{i}.{name}"] = x.T if part == "kernel" else x
+    kernel = np.asarray(tower["patch"]["kernel"], np.float32)
+    out.update({
+        "vision_tower.embeddings.patch_embedding.weight":
+            kernel.T.reshape(spec.width, spec.channels, spec.patch, spec.patch),
+        "vision_tower.embeddings.patch_embedding.bias": np.asarray(tower["patch"]["bias"]),
+        "vision_tower.embeddings.position_embedding.weight": np.asarray(tower["positions"]),
+        "vision_tower.post_layernorm.weight": np.asarray(tower["post_norm"]["scale"]),
+        "vision_tower.post_layernorm.bias": np.asarray(tower["post_norm"]["bias"]),
+        "multi_modal_projector.mm_soft_emb_norm.weight": np.asarray(params["projector"]["norm"]),
+        "multi_modal_projector.mm_input_projection_weight":
+            np.asarray(params["projector"]["projection"])})
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
+
+
+def hf_config(cfg: ModelConfig, text: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 multimodal config.json around the text model's (`vision_config_from_hf`'s
+    inverse)."""
+    v = cfg.vision
+    return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "text_config": {**text, "model_type": "gemma3_text", "architectures": None},
+            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": v.width,
+                              "num_hidden_layers": v.layers, "num_attention_heads": v.heads,
+                              "intermediate_size": v.mlp_dim, "image_size": v.image_size,
+                              "patch_size": v.patch, "layer_norm_eps": v.eps,
+                              "hidden_act": "gelu_pytorch_tanh", "vision_use_head": False},
+            "mm_tokens_per_image": v.tokens, "image_token_index": v.image_token_id,
+            "boi_token_index": v.boi_token_id, "eoi_token_index": v.eoi_token_id,
+            "tie_word_embeddings": text.get("tie_word_embeddings", True)}
+
+
 def load_hf(spec: VisionSpec, tensors: Mapping[str, Any], dtype: Any = jnp.float32) -> Tree:
     """The tower and projector from an HF checkpoint's `tensors` (name -> array-like), in
     either naming: the Hub files' (`vision_tower.vision_model.`, `multi_modal_projector.`)

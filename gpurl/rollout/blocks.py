@@ -93,7 +93,7 @@ class BlockPool:
                 else:
                     self.free.append(blk)
 
-    def lookup(self, tokens: Sequence[int], salt: int, most: int) -> list[int]:
+    def lookup(self, tokens: Sequence[int], salt: int | str, most: int) -> list[int]:
         """The remembered blocks holding the longest run of `tokens`' first full blocks
         (at most `most`) computed by policy version `salt`; none with the cache off.
         Nothing is held: `share` them."""
@@ -107,7 +107,8 @@ class BlockPool:
             out.append(blk)
         return out
 
-    def remember(self, blocks: Sequence[int], tokens: Sequence[int], salt: int, full: int) -> None:
+    def remember(self, blocks: Sequence[int], tokens: Sequence[int], salt: int | str,
+                 full: int) -> None:
         """Remembers the first `full` of `blocks`, which hold `tokens`' first full blocks as
         policy version `salt` computed them. A block remembered already keeps its key (its
         digest is the next block's parent: only the blocks new to the cache are hashed),
@@ -134,7 +135,7 @@ class BlockPool:
         self.keys.clear()
 
 
-def _root(salt: int) -> bytes:
+def _root(salt: int | str) -> bytes:
     """The digest a sequence's first block hashes as its parent: the policy version's."""
     return hashlib.blake2b(f"version {salt}".encode(), digest_size=16).digest()
 
@@ -144,7 +145,7 @@ def _digest(parent: bytes, block: tuple[int, ...]) -> bytes:
     return hashlib.blake2b(parent + np.asarray(block, np.int64).tobytes(), digest_size=16).digest()
 
 
-def _chain(tokens: Sequence[int], block_size: int, salt: int, full: int):
+def _chain(tokens: Sequence[int], block_size: int, salt: int | str, full: int):
     """(digest, the block before's digest, the block's tokens) of `tokens`' first `full`
     full blocks, the first one's parent the policy version `salt`'s root."""
     parent = _root(salt)

@@ -175,7 +175,8 @@ class Collector:
         prompts of the rounds' prompt width, G completions of their width each, and the
         routes of routing replay when the engine records them."""
         return RolloutBatch.spec(self.batch_size, self.group, self.source.prompt_width,
-                                 self.source.width, self.source.engine.routes_shape)
+                                 self.source.width, self.source.engine.routes_shape,
+                                 self.prompts.pixels_shape)
 
     def to_trainer(self, x: jax.Array | np.ndarray) -> jax.Array:
         """Rollout rows onto the trainer mesh: this process's rows from its host, or a
@@ -294,7 +295,8 @@ class Collector:
         shaped rewards on the rollout mesh."""
         names = {"prompt_tokens": "prompt_tokens", "prompt_lengths": "prompt_lengths",
                  "completions": "tokens", "completion_lengths": "lengths",
-                 "sampler_logprobs": "logprobs", "routes": "routes", "model_mask": "mask"}
+                 "sampler_logprobs": "logprobs", "routes": "routes", "model_mask": "mask",
+                 "prompt_pixels": "prompt_pixels"}
         out = {k: r.local[name] for k, name in names.items() if name in r.local}
         out["rewards"] = shaped
         return out
@@ -350,7 +352,8 @@ class Collector:
             completion_lengths=grouped(clen_B.astype(jnp.int32)),
             comp_mask=grouped(trained_BxN.astype(jnp.float32)),
             sampler_logprobs=grouped(jnp.where(real_BxN, rows["sampler_logprobs"], 0.0)),
-            routes=grouped(rows["routes"]) if "routes" in rows else None)  # B x N x L x k
+            routes=grouped(rows["routes"]) if "routes" in rows else None,  # B x N x L x k
+            prompt_pixels=rows["prompt_pixels"][::g] if "prompt_pixels" in rows else None)
         return batch, rows["rewards"]
 
     def _round_stats(self, scores: jax.Array, lengths_B: jax.Array, rewards_B: jax.Array,

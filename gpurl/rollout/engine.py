@@ -103,9 +103,11 @@ class Engine(Programs):
     def scheduler(self, requests: Sequence[Request], resume: Callable | None,
                   prefill_width: int) -> Scheduler:
         """The plain-Python scheduler of a generation on this process's shards."""
-        cfg = self.cfg
+        cfg, vision = self.cfg, self.spec.cfg.vision
+        images = ((vision.image_token_id, (3, vision.image_size, vision.image_size))
+                  if vision.layers else (-1, ()))
         return Scheduler(requests, Limits(cfg.slots, cfg.block_size, cfg.decode_chunk,
-                                          cfg.kv_cache_tokens, cfg.prefix_cache),
+                                          cfg.kv_cache_tokens, cfg.prefix_cache, *images),
                          self.local_shards, self.stop_set, resume, prefill_width, self.routes_shape)
 
 
@@ -238,7 +240,9 @@ class Stream:
         args = (self._placed, k, v,
                 *(self._rows(batch[x]) for x in ("tokens", "starts", "lengths", "cached", "dest",
                                                  "src")),
-                *(host.to_device(x, engine.rows) for x in settings.arrays()), engine.stops())
+                *(host.to_device(x, engine.rows) for x in settings.arrays()), engine.stops(),
+                *((self._rows(batch["pixels"]), self._rows(batch["image_offsets"]))
+                  if needs.images else (None, None)))
         t0 = time.perf_counter()
         k, v, tok_B, lp_B, stop_B = engine.run(engine.prefill,
                                                (settings.sampled, settings.truncate), args)

@@ -138,11 +138,12 @@ class Programs(RolloutModel):
         return self.prefill._cache_size() + self.chunk._cache_size()
 
     def request(self, prompt: Sequence[int], seed: int, max_new_tokens: int | None = None,
-                temperature: float | None = None) -> Request:
-        """A request with the configured settings, some overridden."""
+                temperature: float | None = None, **images: Any) -> Request:
+        """A request with the configured settings, some overridden; `images`: its
+        `Request.images` and `images_key` (`gpurl.rollout.prompts.request_images`)."""
         return Request(tuple(int(t) for t in prompt), max_new_tokens or self.cfg.max_new_tokens,
                        self.cfg.temperature if temperature is None else temperature,
-                       self.cfg.top_k, self.cfg.top_p, int(seed))
+                       self.cfg.top_k, self.cfg.top_p, int(seed), **images)
 
     # ------------------------------------------------------------ ahead of time
 
@@ -247,21 +248,26 @@ class Programs(RolloutModel):
 
     def _prefill_fn(self, static, params, k_pool, v_pool, tokens_BxW, starts_B, lengths_B,
                     cached_BxC, dest_BxW, src_B, seeds_B, offsets_B, temperature_B, top_k_B,
-                    top_p_B, stop_set_B, stop_table):
+                    top_p_B, stop_set_B, stop_table, pixels=None, image_offsets_B=None):
         """Tokens `starts_B` to `lengths_B` of each distinct sequence (`tokens_BxW`, padded),
         after its `starts_B / block` cached blocks (`cached_BxC`); an admitted row's keys and
-        values go to the pool slots `dest_BxW` and it samples from sequence `src_B`."""
+        values go to the pool slots `dest_BxW` and it samples from sequence `src_B`.
+        `pixels` (B x M x 3 x H x W): a vision-language model's sequences' images, their
+        image tokens before `starts_B` counted by `image_offsets_B`; such a prefill runs
+        as one chunk (an image's tokens see the whole image)."""
         sampled, truncate = static
         a = self.shards
         b, w = tokens_BxW.shape
+        images = dict(pixels=pixels, image_offsets=image_offsets_B)
         if w > self.cfg.prefill_chunk or cached_BxC.shape[1]:
             last_BxD, k_LxBxWxKxE, v_LxBxWxKxE = self._chunked_prompts(
-                params, tokens_BxW, starts_B, lengths_B, self._cached_kv(k_pool, v_pool, cached_BxC))
+                params, tokens_BxW, starts_B, lengths_B, self._cached_kv(k_pool, v_pool, cached_BxC),
+                images)
         else:
             positions_BxW = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
             segments_BxW = (positions_BxW < lengths_B[:, None]).astype(jnp.int32)
             hidden_BxWxD, kv = self.spec.prompt_kv(params, tokens_BxW, positions_BxW,
-                                                   segments_BxW, 1)
+                                                   segments_BxW, 1, **images)
             last_BxD = jnp.take_along_axis(hidden_BxWxD, (lengths_B - 1)[:, None, None],
                                            axis=1)[:, 0]
             k_LxBxWxKxE, v_LxBxWxKxE = kv.k, kv.v
@@ -304,8 +310,8 @@ class Programs(RolloutModel):
         return read(k_pool), read(v_pool)
 
     def _chunked_prompts(self, params: Params, tokens_BxW: jax.Array, starts_B: jax.Array,
-                         lengths_B: jax.Array, cached: tuple[jax.Array, jax.Array] | None
-                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                         lengths_B: jax.Array, cached: tuple[jax.Array, jax.Array] | None,
+                         images: dict | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(final-norm hidden state of each prompt's last token, every layer's keys and
         values of the W tokens computed, L x B x W x K x E): the tokens from `starts_B` on
         run `rollout.prefill_chunk` at a time, each chunk appended to a cache of the
@@ -315,9 +321,10 @@ class Programs(RolloutModel):
         the keys and values of each sequence's tokens before `starts_B` (L x B x S x K x E,
         from the prefix cache), which the cache starts with. A chunk's queries read all
         slots, the later ones empty and masked: about twice a causal prefill's attention
-        work, none of its matmuls'."""
+        work, none of its matmuls'. With `images` (`_prefill_fn`) it is one chunk."""
         b, w = tokens_BxW.shape
-        t = min(self.cfg.prefill_chunk, w)
+        images = images or {}
+        t = w if images.get("pixels") is not None else min(self.cfg.prefill_chunk, w)
         s = 0 if cached is None else cached[0].shape[2]
         cache = init_cache(self.spec.cfg, b, s + w)
         if cached is not None:
@@ -339,7 +346,7 @@ class Programs(RolloutModel):
             positions_BxT = starts_B[:, None] + start + offsets_T
             segments_BxT = (positions_BxT < lengths_B[:, None]).astype(jnp.int32)
             hidden_BxTxD, cache = self.spec.hidden(params, tokens_BxT, positions_BxT,
-                                                   segments_BxT, cache)
+                                                   segments_BxT, cache, **images)
             at_B = jnp.clip(lengths_B - 1 - starts_B - start, 0, t - 1)  # the last token, if here
             return cache, jnp.take_along_axis(hidden_BxTxD, at_B[:, None, None], axis=1)[:, 0]
 

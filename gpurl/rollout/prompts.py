@@ -11,10 +11,14 @@ prompt says (the calculator task's worked examples show its calls).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
 
 from gpurl.config import ConfigError, EnvConfig
+from gpurl.data.images import gemma3_pixels, image_key, open_image
 from gpurl.models.tokenizer import Tokenizer
 from gpurl.rewards.thinking import left_open
 from gpurl.rollout.multiturn import EnvFactory
@@ -28,9 +32,40 @@ class Prompts:
     rows: list[dict]
     tokens: list[list[int]]
     opened: tuple[bool, ...] = ()
+    image_size: int = 0  # a vision-language model's image side in pixels (0: text prompts)
+    _pixels: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def pixels_shape(self) -> tuple[int, ...] | None:
+        """(M, 3, H, W) of the prompts' images in a batch, M the most any prompt has; None
+        for text prompts."""
+        most = max((len(row.get("images") or ()) for row in self.rows), default=0)
+        return (most, 3, self.image_size, self.image_size) if most else None
+
+    def pixels(self, indices: Sequence[int]) -> np.ndarray:
+        """B x M x 3 x H x W: the images of prompts `indices` (-1: none), `pixels_shape`."""
+        out = np.zeros((len(indices), *self.pixels_shape), np.float32)
+        for b, i in enumerate(indices):
+            images = self.images(i)[0]
+            out[b, :len(images)] = images
+        return out
+
+    def images(self, index: int) -> tuple[tuple[np.ndarray, ...], str]:
+        """(prompt `index`'s images as pixels, each 3 x H x W, and their digest: what its
+        requests carry, `Request.images`); read once per prompt and kept. -1 or a prompt
+        without images: ((), "")."""
+        if index < 0 or not self.rows[index].get("images"):
+            return (), ""
+        if index not in self._pixels:
+            sources = self.rows[index]["images"]
+            pixels = tuple(gemma3_pixels(open_image(src, f"prompt {index}'s image {j}"),
+                                         self.image_size) for j, src in enumerate(sources))
+            digest = hashlib.sha256(repr([image_key(src) for src in sources]).encode())
+            self._pixels[index] = (pixels, digest.hexdigest()[:32])
+        return self._pixels[index]
 
     def opens(self, index: int) -> bool:
         """Whether prompt `index` (-1: padding) leaves a thinking trace open
@@ -77,13 +112,10 @@ def encode_prompts(rows: list[dict], tokenizer: Tokenizer, chat: bool, max_len: 
     reported)."""
     kept, tokens, opened, skipped = [], [], [], 0
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    for row in rows:
-        if row.get("images"):
-            raise ConfigError(f"{what} prompts have images, which only algo=sft trains on so "
-                              f"far; train a vision-language model with algo=sft or drop the "
-                              f"images.")
+    for x, row in enumerate(rows):
         text = render_prompt(tokenizer, row.get("messages") or row["prompt"], chat, tools)
-        ids = bos + tokenizer.encode(text)
+        ids = bos + (_image_ids(text, row, x, tokenizer, what) if row.get("images")
+                     else tokenizer.encode(text))
         if len(ids) > max_len:
             skipped += 1
             continue
@@ -93,4 +125,24 @@ def encode_prompts(rows: list[dict], tokenizer: Tokenizer, chat: bool, max_len: 
     if not kept:
         raise ConfigError(f"every {what} prompt is longer than data.max_len={max_len} tokens; "
                           f"raise data.max_len.")
-    return Prompts(kept, tokens, tuple(opened)), skipped
+    size = tokenizer.images.size if tokenizer.images is not None else 0
+    return Prompts(kept, tokens, tuple(opened), size), skipped
+
+
+def _image_ids(text: str, row: dict, x: int, tokenizer: Tokenizer, what: str) -> list[int]:
+    """Token ids of a prompt with images, its image markers expanded (`ImageTokens`)."""
+    if tokenizer.images is None:
+        raise ConfigError(f"{what} prompts have images but the model is a text model; use a "
+                          f"vision-language model (model.vision.layers > 0) or drop the images.")
+    ids, counts = tokenizer.images.encode([text], tokenizer.encode_batch)
+    if counts[0] != len(row["images"]):
+        raise ConfigError(f"{what} prompt {x} gives {len(row['images'])} image(s) but places "
+                          f"{counts[0]} (an image part or <start_of_image> marks each); give "
+                          f"one image per image part.")
+    return ids[0]
+
+
+def request_images(prompts: Prompts, index: int) -> dict[str, Any]:
+    """`Request` fields of prompt `index`'s images (none for -1 or a text prompt)."""
+    pixels, key = prompts.images(index)
+    return {"images": pixels, "images_key": key} if pixels else {}

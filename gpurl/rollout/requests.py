@@ -3,11 +3,13 @@ shape buckets of its programs. Plain Python (the scheduler's tests import it wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from gpurl.buckets import power_of_two as bucket
+from gpurl.config import ConfigError
 
 MIN_PROMPT_BUCKET = 16
 MIN_ROWS = 2  # prefill rows: XLA's one-row matmul rounds differently from its batched one
@@ -32,9 +34,17 @@ class Request:
     seed: int = 0
     stop_ids: tuple[int, ...] | None = None  # None: the engine's (EOS + rollout.stop)
     offset: int = 0
+    # a vision-language model's prompt: its images' pixels (3 x H x W float32 each, in the
+    # order its image tokens come) and a digest of them, which keeps sequences with the
+    # same tokens but other images apart in the scheduler and the prefix cache
+    images: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    images_key: str = ""
 
     def state(self) -> dict:
         """As plain data (a checkpoint's JSON); `from_state` rebuilds it."""
+        if self.images:
+            raise ConfigError("a request with images cannot be written into a checkpoint "
+                              "mid-stream; use rollout.mode=sync or one_ahead with images.")
         return {**self.__dict__, "prompt": list(self.prompt),
                 "stop_ids": None if self.stop_ids is None else list(self.stop_ids)}
 

@@ -38,7 +38,7 @@ from gpurl.rollout.engine import Engine
 from gpurl.rollout.programs import Rollout
 from gpurl.rollout.requests import Completion, Request
 from gpurl.rollout.multiturn import EnvFactory, Episodes
-from gpurl.rollout.prompts import Prompts
+from gpurl.rollout.prompts import Prompts, request_images
 from gpurl.rollout.scoring import CUT, RowContext, ShardedScorer
 
 # A completion counts as correct when the first reward function gives it at least this.
@@ -227,7 +227,9 @@ class Rounds:
             row_ids = np.concatenate([ids, np.full(padded - per, -1)])
             return self._agents(params, prompts, row_ids, local_seeds, local_ids, indices,
                                 group, per, temperature, t0)
-        requests = [self.first_requests(t, [s], temperature)[0] for t, s in zip(tokens, local_seeds)]
+        row_prompts = [max(i, 0) for i in ids] + [0] * (padded - per)
+        requests = [self.first_requests(t, [s], temperature, **request_images(prompts, i))[0]
+                    for t, s, i in zip(tokens, local_seeds, row_prompts)]
         env = mask = None
         if self.env:
             rows = [prompts.rows[i] if i >= 0 else None for i in ids] + [None] * (padded - per)
@@ -242,6 +244,8 @@ class Rounds:
             local = self._completions(done)
             scored = (local["tokens"], local["lengths"], self._stopped(done))
         local["prompt_tokens"], local["prompt_lengths"] = self._prompts(tokens)
+        if prompts.pixels_shape is not None:  # each row's prompt's images
+            local["prompt_pixels"] = prompts.pixels(row_prompts)
         global_rows = [prompts.rows[i] if i >= 0 else prompts.rows[0] for i in indices]
         opened = np.asarray([prompts.opens(i) for i in ids] + [False] * (padded - per))
         return self._scored(local, (*scored, opened), local_ids, global_rows, group, per,
@@ -288,11 +292,12 @@ class Rounds:
                         self.engine.cfg.max_new_tokens, self.engine.routes_shape)
 
     def first_requests(self, tokens: Sequence[int], seeds: Sequence[int],
-                       temperature: float | None = None) -> list[Request]:
+                       temperature: float | None = None, **images: Any) -> list[Request]:
         """The first requests of rows of prompt `tokens`, one per seed: a turn's worth of
-        tokens each with an environment, else a completion's."""
+        tokens each with an environment, else a completion's; `images` as
+        `request_images` gives them."""
         return [self.engine.request(tokens, int(s), max_new_tokens=self._turn_tokens(),
-                                    temperature=temperature) for s in seeds]
+                                    temperature=temperature, **images) for s in seeds]
 
     def _trajectories(self, arrays: dict[str, np.ndarray]) -> tuple:
         """(the rows' arrays, what the reward functions score: the last model turns, which

@@ -55,6 +55,17 @@ class Limits:
     decode_chunk: int  # decode steps per device call
     kv_cache_tokens: int = 0  # pool cap per shard (0 = sized for the requests)
     prefix_cache: bool = True  # remember full blocks for later requests with the same prefix
+    # a vision-language model's image soft token (-1: a text model) and one image's pixels
+    # array shape, (3, H, W)
+    image_token: int = -1
+    image_shape: tuple[int, ...] = ()
+
+
+def salt(version: int, images_key: str) -> int | str:
+    """What a sequence's prefix-cache digests start from: the policy version that computed
+    its keys and values, and the digest of its images (`Request.images_key`) when it has
+    any, so the same tokens with other images never share a block."""
+    return f"{version} {images_key}" if images_key else version
 
 
 @dataclass
@@ -80,6 +91,11 @@ class Live:
         return list(self.request.prompt) + self.tokens
 
     @property
+    def key(self) -> tuple:
+        """What makes two requests' sequences the same: their tokens and their images."""
+        return (self.request.images_key, *self.request.prompt, *self.tokens)
+
+    @property
     def left(self) -> int:
         return self.request.max_new_tokens - len(self.tokens)
 
@@ -95,7 +111,8 @@ class Shard:
     def release(self, live: Live) -> None:
         """The request gives its blocks back; those its version computed stay remembered."""
         if live.written >= 0:
-            self.pool.remember(live.blocks, live.sequence, live.written,
+            self.pool.remember(live.blocks, live.sequence,
+                               salt(live.written, live.request.images_key),
                                min(live.clean, live.length) // self.pool.block_size)
         self.pool.release(live.blocks)
         live.blocks = []
@@ -114,6 +131,7 @@ class Needs(NamedTuple):
     cached: int  # the prefill's prefix-cache blocks per prompt (bucketed; 0: none)
     decoding: int  # rows per shard the decode chunk steps (bucketed; 0: none)
     queued: int  # requests waiting
+    images: int = 0  # image slots per prompt the prefill reads (bucketed; 0: none)
 
     @staticmethod
     def agree(gathered: np.ndarray) -> "Needs":
@@ -308,7 +326,7 @@ class Scheduler:
         for shard in self.shards:
             self.stats["evicted"] += shard.pool.evicted
             shard.pool.evicted = 0
-        prompts = rows = width = cached = 0
+        prompts = rows = width = cached = images = 0
         if any(self.admitted):
             prompts = bucket(max(len(_unique(a)[0]) for a in self.admitted), MIN_ROWS)
             rows = bucket(max(len(a) for a in self.admitted), MIN_ROWS)
@@ -317,12 +335,19 @@ class Scheduler:
             # a prefill from the start pads to the run's prompt width (one shape per run)
             width = bucket(max(longest, 0 if reused else self.prefill_width), MIN_PROMPT_BUCKET)
             cached = bucket(reused) if reused else 0
+            images = max((len(x.request.images) for a in self.admitted for x in a
+                          if self._images_after(x)), default=0)
         # rows of the next decode chunk: those decoding and the admitted ones that will
         # not have finished at their first token (unless it is a stop token)
         decoding = max(len(s.rows) + sum(x.left > 1 for x in a)
                        for s, a in zip(self.shards, self.admitted))
         return Needs(blocks, table, int(any(self.admitted)), prompts, rows, width, cached,
-                     bucket(decoding) if decoding else 0, sum(len(s.queue) for s in self.shards))
+                     bucket(decoding) if decoding else 0, sum(len(s.queue) for s in self.shards),
+                     bucket(images) if images else 0)
+
+    def _images_after(self, live: Live) -> bool:
+        """Whether the tokens a prefill computes for `live` hold image tokens."""
+        return bool(live.request.images) and self.limits.image_token in live.sequence[live.start:]
 
     # ----------------------------------------------------------------- prefill
 
@@ -339,6 +364,9 @@ class Scheduler:
                "starts": np.zeros((d, p), np.int32), "lengths": np.ones((d, p), np.int32),
                "cached": np.zeros((d, p, c), np.int32),
                "dest": np.full((d, a, w), drop, np.int32), "src": np.zeros((d, a), np.int32)}
+        if needs.images:  # each prompt's images, and its image tokens before `starts`
+            out["pixels"] = np.zeros((d, p, needs.images, *self.limits.image_shape), np.float32)
+            out["image_offsets"] = np.zeros((d, p), np.int32)
         settings = Settings(d * a)
         for s, rows in enumerate(self.admitted):
             firsts, owner = _unique(rows)
@@ -347,6 +375,9 @@ class Scheduler:
                 out["tokens"][s, j, :len(seq) - live.start] = seq[live.start:]
                 out["starts"][s, j], out["lengths"][s, j] = live.start, len(seq)
                 out["cached"][s, j, :live.start // block] = live.blocks[:live.start // block]
+                if needs.images and self._images_after(live):
+                    out["pixels"][s, j, :len(live.request.images)] = live.request.images
+                    out["image_offsets"][s, j] = seq[:live.start].count(self.limits.image_token)
                 self.stats["prefill_tokens"] += len(seq) - live.start
             for i, live in enumerate(rows):
                 pos = np.arange(live.start, live.length)
@@ -367,7 +398,8 @@ class Scheduler:
         for s, (shard, rows) in enumerate(zip(self.shards, self.admitted)):
             for i, live in enumerate(rows):
                 live.written, live.clean = self.version, live.length
-                shard.pool.remember(live.blocks, live.sequence, self.version,
+                shard.pool.remember(live.blocks, live.sequence,
+                                    salt(self.version, live.request.images_key),
                                     live.length // self.limits.block_size)
                 live.tokens.append(int(tok[s, i]))
                 live.logprobs.append(float(lp[s, i]))
@@ -450,12 +482,13 @@ class Scheduler:
         admitted, shared = [], {}
         while shard.queue and len(shard.rows) + len(admitted) < lim.slots:
             live = shard.queue[0]
-            seq = tuple(live.sequence)
+            seq, key = tuple(live.sequence), live.key
             full = len(seq) // lim.block_size
-            if seq in shared:
-                held, start = shared[seq]
+            if key in shared:
+                held, start = shared[key]
             else:  # the last token is always computed: its logits sample the first new one
-                held = shard.pool.lookup(seq, self.version, (len(seq) - 1) // lim.block_size)
+                held = shard.pool.lookup(seq, salt(self.version, live.request.images_key),
+                                         (len(seq) - 1) // lim.block_size)
                 start = len(held) * lim.block_size
             shard.pool.share(held)
             own = request_blocks(len(seq) + min(lim.decode_chunk, live.left), lim.block_size)
@@ -471,7 +504,7 @@ class Scheduler:
                 break
             shard.queue.popleft()
             blocks = list(held) + blocks
-            shared.setdefault(seq, (blocks[:full], start))
+            shared.setdefault(key, (blocks[:full], start))
             live.blocks, live.length, live.admitted = blocks, len(seq), self.clock
             live.start, live.written, live.clean = start, -1, 0
             self.clock += 1
@@ -546,12 +579,11 @@ def check(r: Request) -> None:
 
 def _unique(rows: list[Live]) -> tuple[list[Live], list[int]]:
     """(the first request of each distinct sequence, each request's index among them)."""
-    first: dict[tuple[int, ...], int] = {}
+    first: dict[tuple, int] = {}
     firsts, owner = [], []
     for live in rows:
-        seq = tuple(live.sequence)
-        if seq not in first:
-            first[seq] = len(firsts)
+        if live.key not in first:
+            first[live.key] = len(firsts)
             firsts.append(live)
-        owner.append(first[seq])
+        owner.append(first[live.key])
     return firsts, owner

@@ -22,7 +22,7 @@ import numpy as np
 
 from gpurl.algorithms import behaviour
 from gpurl.algorithms.rl import RLContext, RLInputs
-from gpurl.config import (Config, DataConfig, EnvConfig, MeshConfig,
+from gpurl.config import (Config, ConfigError, DataConfig, EnvConfig, MeshConfig,
                           PolicyGradientConfig, RewardsConfig, RolloutConfig, TrainConfig)
 from gpurl.data.sources import default_rewards, load_prompts
 from gpurl.distributed import layout
@@ -70,6 +70,8 @@ class RLStepper(RLPrograms, Stepper):
         self.setup, self.algo, self.train, self.rollout = setup, algo, train, rollout
         spec, place = setup.spec, setup.place
         self.prompts, self.evals, self.skipped = _prompts(data, setup, env)
+        if self.prompts.pixels_shape is not None:
+            _check_images(train, rollout, env)
         self.has_eval = self.evals is not None
         self.frozen = setup.frozen  # the reference, a reward model, a teacher (loaded late)
         # With an environment its reward is the task's; reward functions apply when named.
@@ -204,6 +206,19 @@ def _rounds(engine: Any, tokenizer: Any, functions: list, prompts: list[Prompts 
     agents = (AgentRunner(env, engine, tokenizer, engine.stop_ids, rollout)
               if env is not None and env.agents else None)
     return Rounds(engine, tokenizer, functions, prompt_width(longest), env, agents)
+
+
+def _check_images(train: TrainConfig, rollout: RolloutConfig, env: EnvConfig | None) -> None:
+    """One sentence for what prompts with images cannot go through yet."""
+    if env is not None and env.on:
+        raise ConfigError("prompts with images go through single-turn rollouts only so far; "
+                          "drop env or the images.")
+    if rollout.mode == "continuous":
+        raise ConfigError("prompts with images cannot be sampled in rollout.mode=continuous yet "
+                          "(its checkpoints hold the requests); use rollout.mode=sync or one_ahead.")
+    if train.packed:
+        raise ConfigError("prompts with images train on padded rows so far; set "
+                          "train.packed=false.")
 
 
 def _rows_per(env: EnvConfig | None) -> int:
