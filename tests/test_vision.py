@@ -570,14 +570,27 @@ def test_grpo_on_images_runs_end_to_end_and_refuses_what_it_cannot_yet_do(tmp_pa
 
 def test_what_rl_with_images_cannot_do_yet_is_one_sentence():
     from gpurl.config import EnvConfig, RolloutConfig, TrainConfig
+    from gpurl.rollout.sources import batch_source
     from gpurl.train.rl import _check_images
 
-    padded = TrainConfig(packed=False)
+    prompts = _image_prompts()
     with pytest.raises(ConfigError, match=r"^prompts with images cannot be sampled in "
                                           r"rollout.mode=continuous yet .*; use rollout.mode=sync "
                                           r"or one_ahead\.$"):
-        _check_images(padded, RolloutConfig(mode="continuous"), None)
+        batch_source(RolloutConfig(mode="continuous"), None, _Split(), prompts, group=2,
+                     batch_size=2, seed=0, steps=1)
     with pytest.raises(ConfigError, match=r"^prompts with images go through single-turn "
                                           r"rollouts only so far; drop env or the images\.$"):
-        _check_images(padded, RolloutConfig(), EnvConfig(name="calculator"))
-    _check_images(padded, RolloutConfig(mode="one_ahead"), None)
+        _check_images(TrainConfig(packed=False), EnvConfig(name="calculator"))
+    _check_images(TrainConfig(packed=False), None)
+
+
+class _Split:
+    colocated = False
+
+
+def _image_prompts():
+    from gpurl.rollout.prompts import encode_prompts
+
+    row = {"prompt": "<start_of_image>Which?", "answer": "a", "images": [_png()]}
+    return encode_prompts([row], _tokenizer(), False, 64, "train")[0]

@@ -145,6 +145,10 @@ def batch_source(cfg: RolloutConfig, collector: Collector, weights: PolicyWeight
     check_mode(cfg, "colocated" if weights.colocated else "split")
     mode = RolloutMode(cfg.mode)
     if mode is RolloutMode.CONTINUOUS:
+        if prompts.pixels_shape is not None:
+            raise ConfigError("prompts with images cannot be sampled in rollout.mode=continuous "
+                              "yet (its checkpoints hold the requests); use rollout.mode=sync "
+                              "or one_ahead.")
         return Continuous(collector, weights, prompts, cfg, group, batch_size, seed)
     if mode is RolloutMode.ONE_AHEAD and not weights.colocated:
         return OneAhead(collector, weights, steps)

@@ -69,9 +69,7 @@ class RLStepper(RLPrograms, Stepper):
                  memory: float = float("inf")):
         self.setup, self.algo, self.train, self.rollout = setup, algo, train, rollout
         spec, place = setup.spec, setup.place
-        self.prompts, self.evals, self.skipped = _prompts(data, setup, env)
-        if self.prompts.pixels_shape is not None:
-            _check_images(train, rollout, env)
+        self.prompts, self.evals, self.skipped = _prompts(data, setup, env, train)
         self.has_eval = self.evals is not None
         self.frozen = setup.frozen  # the reference, a reward model, a teacher (loaded late)
         # With an environment its reward is the task's; reward functions apply when named.
@@ -208,14 +206,12 @@ def _rounds(engine: Any, tokenizer: Any, functions: list, prompts: list[Prompts 
     return Rounds(engine, tokenizer, functions, prompt_width(longest), env, agents)
 
 
-def _check_images(train: TrainConfig, rollout: RolloutConfig, env: EnvConfig | None) -> None:
-    """One sentence for what prompts with images cannot go through yet."""
+def _check_images(train: TrainConfig, env: EnvConfig | None) -> None:
+    """One sentence for what prompts with images cannot go through yet (continuous
+    rollouts: `gpurl.rollout.sources.batch_source`)."""
     if env is not None and env.on:
         raise ConfigError("prompts with images go through single-turn rollouts only so far; "
                           "drop env or the images.")
-    if rollout.mode == "continuous":
-        raise ConfigError("prompts with images cannot be sampled in rollout.mode=continuous yet "
-                          "(its checkpoints hold the requests); use rollout.mode=sync or one_ahead.")
     if train.packed:
         raise ConfigError("prompts with images train on padded rows so far; set "
                           "train.packed=false.")
@@ -226,14 +222,16 @@ def _rows_per(env: EnvConfig | None) -> int:
     return env.rows_per_trajectory if env is not None else 1
 
 
-def _prompts(data: DataConfig, setup: Setup,
-             env: EnvConfig | None) -> tuple[Prompts, Prompts | None, int]:
+def _prompts(data: DataConfig, setup: Setup, env: EnvConfig | None,
+             config: TrainConfig) -> tuple[Prompts, Prompts | None, int]:
     """(train prompts, held-out prompts or None, how many were too long and skipped);
     chat prompts show the environment's tools."""
     train_rows, eval_rows = load_prompts(data)
     tools = prompt_tools(env)
     train, skipped = encode_prompts(train_rows, setup.tokenizer, data.chat_template,
                                     data.max_len, "train", tools)
+    if train.pixels_shape is not None:
+        _check_images(config, env)
     if not eval_rows:
         return train, None, skipped
     evals, eval_skipped = encode_prompts(eval_rows, setup.tokenizer, data.chat_template,
