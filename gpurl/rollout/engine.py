@@ -240,9 +240,9 @@ class Stream:
         args = (self._placed, k, v,
                 *(self._rows(batch[x]) for x in ("tokens", "starts", "lengths", "cached", "dest",
                                                  "src")),
-                *(host.to_device(x, engine.rows) for x in settings.arrays()), engine.stops(),
-                *((self._rows(batch["pixels"]), self._rows(batch["image_offsets"]))
-                  if needs.images else (None, None)))
+                *(host.to_device(x, engine.rows) for x in settings.arrays()), engine.stops())
+        if needs.images:  # (the ahead-of-time programs take none: text prefills match them)
+            args += (self._rows(batch["pixels"]), self._rows(batch["image_offsets"]))
         t0 = time.perf_counter()
         k, v, tok_B, lp_B, stop_B = engine.run(engine.prefill,
                                                (settings.sampled, settings.truncate), args)

@@ -11,6 +11,7 @@ prompt says (the calculator task's worked examples show its calls).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -38,7 +39,7 @@ class Prompts:
     def __len__(self) -> int:
         return len(self.rows)
 
-    @property
+    @functools.cached_property
     def pixels_shape(self) -> tuple[int, ...] | None:
         """(M, 3, H, W) of the prompts' images in a batch, M the most any prompt has; None
         for text prompts."""
