@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import transformers
 
-from gpurl.config import DataConfig, EnvConfig, ModelConfig
+from gpurl.config import DataConfig, EnvConfig, ModelConfig, TrainConfig
 from gpurl.data.sources import load_prompts
 from gpurl.envs import load_tools
 from gpurl.envs.formats import ToolCallError
@@ -107,7 +107,7 @@ def test_chat_prompts_of_a_tools_environment_carry_its_schemas(tokenizers, env, 
     assert "<tools>\n" + "\n".join(json.dumps(t) for t in reference) + "\n</tools>" in (
         tok.decode(prompts.tokens[0]))
     # The trainer's prompts (read by its rollouts, continuous ones too) are these.
-    train, evals, _ = _prompts(data, SimpleNamespace(tokenizer=tok), env)
+    train, evals, _ = _prompts(data, SimpleNamespace(tokenizer=tok), env, TrainConfig())
     assert evals.tokens == prompts.tokens and len(train) == 4
 
 
