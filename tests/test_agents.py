@@ -94,8 +94,10 @@ def test_bad_agents_end_their_own_trajectories_and_the_run_goes_on(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"task {i}:", "behaviour": b}) + "\n"
                             for i, b in enumerate(behaviours)))
+    # 8 s: the agent calling forever reaches its cap of 3 calls first even when the suite's
+    # other worker loads both cores (at 4 s it sometimes timed out instead)
     cfg = _config(tmp_path, "bad", {"name": "agent", "agent": "rl_agents:misbehaving",
-                                    "agent_rows": 1, "agent_timeout_s": 4, "agent_max_calls": 3},
+                                    "agent_rows": 1, "agent_timeout_s": 8, "agent_max_calls": 3},
                   data={"name": "jsonl", "path": str(rows), "num_eval": 0, "max_len": 64},
                   steps=1, batch=len(behaviours), g=2)
     train(cfg)
