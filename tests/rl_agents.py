@@ -92,6 +92,12 @@ async def rewrites(client, row):
     return float(bool(second.choices[0].message.content))
 
 
+# Set by the bad-agents test once its run has ended: the agents that sleep or block their
+# thread past their timeout then return, so no thread of theirs outlives the test (a worker
+# that kept such threads for the rest of the suite crashed in XLA's compiler in four runs)
+RELEASE = threading.Event()
+
+
 async def misbehaving(client, row):
     """The behaviour the row names (tests/test_agents.py's battery)."""
     chat = {"model": "policy", "messages": [{"role": "user", "content": row["prompt"]}],
@@ -105,10 +111,11 @@ async def misbehaving(client, row):
     if kind == "raises":
         await client.chat.completions.create(**chat)
         raise RuntimeError("the agent broke")
-    if kind == "sleeps":
-        await asyncio.sleep(3600)
-    if kind == "blocks":
-        time.sleep(3600)  # a blocking call in an async agent: only its own thread waits
+    if kind == "sleeps":  # past its timeout, until the test has ended its run
+        while not RELEASE.is_set():
+            await asyncio.sleep(0.05)
+    if kind == "blocks":  # a blocking call in an async agent: only its own thread waits
+        RELEASE.wait(3600)
     if kind == "calls_forever":
         while True:
             await client.chat.completions.create(**chat)

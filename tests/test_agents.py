@@ -100,7 +100,12 @@ def test_bad_agents_end_their_own_trajectories_and_the_run_goes_on(tmp_path):
                                     "agent_rows": 1, "agent_timeout_s": 8, "agent_max_calls": 3},
                   data={"name": "jsonl", "path": str(rows), "num_eval": 0, "max_len": 64},
                   steps=1, batch=len(behaviours), g=2)
-    train(cfg)
+    import rl_agents
+    rl_agents.RELEASE.clear()
+    try:
+        train(cfg)
+    finally:
+        rl_agents.RELEASE.set()
     # the run's end stopped its gateway (the agents blocking their threads keep only those)
     assert not [t for t in threading.enumerate() if t.name == "gpurl-gateway" and t.is_alive()]
     step = _steps(tmp_path / "bad")[0]
