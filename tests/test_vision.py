@@ -151,22 +151,7 @@ def test_gemma3_vlm_logits_and_greedy_generation_equal_transformers(gemma3_vlm_d
                                 token_type_ids=torch.from_numpy((prompt[None] == IMAGE).astype(np.int64)),
                                 max_new_tokens=new, do_sample=False)[0, len(prompt):].numpy()
 
-    @jax.jit
-    def greedy(params, pixels, prompt):
-        t = prompt.shape[1]
-        cache = init_cache(cfg, 1, t + new)
-        hidden, cache = spec.hidden(params, prompt, jnp.arange(t)[None], jnp.ones_like(prompt),
-                                    cache, pixels=pixels)
-        token = jnp.argmax(spec.logits(params, hidden[:, -1]), -1)
-        out = [token]
-        for i in range(new - 1):
-            hidden, cache = spec.hidden(params, token[:, None], jnp.full((1, 1), t + i),
-                                        jnp.ones((1, 1), jnp.int32), cache)
-            token = jnp.argmax(spec.logits(params, hidden[:, -1]), -1)
-            out.append(token)
-        return jnp.concatenate(out)
-
-    ours = np.asarray(greedy(params, pixels[None, 1:], jnp.asarray(prompt[None], jnp.int32)))
+    ours, _ = _reference_greedy(cfg, spec, params, rows[1], pixels[1:], new)
     np.testing.assert_array_equal(ours, theirs)
 
 

@@ -288,6 +288,7 @@ def chat(messages: Any, what: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f'{what} must be a non-empty list of {{"role", "content"}} '
                           "objects; fix that row.")
+    out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ConfigError(f'{what}[{i}] is not an object; write it as '
@@ -295,7 +296,8 @@ def chat(messages: Any, what: str) -> list[dict]:
         content = _content(message.get("content"), f"{what}[{i}]['content']")
         expect_str(message.get("role"), f"{what}[{i}]['role']")
         expect_str(content, f"{what}[{i}]['content']")
-    return [{"role": m["role"], "content": _content(m["content"], "")} for m in messages]
+        out.append({"role": message["role"], "content": content})
+    return out
 
 
 def expect_str(value: Any, what: str) -> None:
